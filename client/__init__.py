@@ -1,0 +1,32 @@
+"""encdis client SDK: typed gRPC clients for encoder nodes and the LLM node.
+
+Depends on grpcio, protobuf and numpy only (no torch), so any service can call encdis.
+"""
+
+from encdis.client.encoder_client import AsyncEncoderClient, EncoderClient, EncoderDescription
+from encdis.client.errors import (
+    DeadlineExceeded,
+    EncdisError,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+    WireError,
+)
+from encdis.client.wire import Embedding
+
+__all__ = [
+    "AsyncEncoderClient",
+    "DeadlineExceeded",
+    "Embedding",
+    "EncdisError",
+    "EncoderClient",
+    "EncoderDescription",
+    "FailedPrecondition",
+    "Internal",
+    "InvalidArgument",
+    "ResourceExhausted",
+    "Unavailable",
+    "WireError",
+]

@@ -1,0 +1,113 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class EncodeRequest(_message.Message):
+    __slots__ = ("images", "min_pixels", "max_pixels", "max_chunk_bytes")
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    MIN_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    images: _containers.RepeatedScalarFieldContainer[bytes]
+    min_pixels: int
+    max_pixels: int
+    max_chunk_bytes: int
+    def __init__(self, images: _Optional[_Iterable[bytes]] = ..., min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class EncodeResponse(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: EmbeddingHeader
+    chunk: EmbeddingChunk
+    def __init__(self, header: _Optional[_Union[EmbeddingHeader, _Mapping]] = ..., chunk: _Optional[_Union[EmbeddingChunk, _Mapping]] = ...) -> None: ...
+
+class EmbeddingHeader(_message.Message):
+    __slots__ = ("image_index", "grid_thw", "num_tokens", "hidden_size", "datatype", "digest", "total_bytes", "num_chunks", "batch", "queue_seconds")
+    IMAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    GRID_THW_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DATATYPE_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    image_index: int
+    grid_thw: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    hidden_size: int
+    datatype: str
+    digest: str
+    total_bytes: int
+    num_chunks: int
+    batch: BatchTiming
+    queue_seconds: float
+    def __init__(self, image_index: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., datatype: _Optional[str] = ..., digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., batch: _Optional[_Union[BatchTiming, _Mapping]] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
+
+class EmbeddingChunk(_message.Message):
+    __slots__ = ("image_index", "chunk_index", "data")
+    IMAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    image_index: int
+    chunk_index: int
+    data: bytes
+    def __init__(self, image_index: _Optional[int] = ..., chunk_index: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class BatchTiming(_message.Message):
+    __slots__ = ("seconds", "image_patches")
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_PATCHES_FIELD_NUMBER: _ClassVar[int]
+    seconds: float
+    image_patches: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seconds: _Optional[float] = ..., image_patches: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ("vision_config_json", "out_hidden_size", "weights_fingerprint", "device", "datatype", "max_batch_patches", "max_images_per_request", "max_image_bytes", "max_image_pixels", "min_pixels", "max_pixels", "patch_size", "merge_size", "temporal_patch_size", "boot_id", "hostname", "version", "max_chunk_bytes")
+    VISION_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    OUT_HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DATATYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_PATCHES_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGES_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGE_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MIN_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    PATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MERGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TEMPORAL_PATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    vision_config_json: str
+    out_hidden_size: int
+    weights_fingerprint: str
+    device: str
+    datatype: str
+    max_batch_patches: int
+    max_images_per_request: int
+    max_image_bytes: int
+    max_image_pixels: int
+    min_pixels: int
+    max_pixels: int
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+    boot_id: str
+    hostname: str
+    version: str
+    max_chunk_bytes: int
+    def __init__(self, vision_config_json: _Optional[str] = ..., out_hidden_size: _Optional[int] = ..., weights_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., datatype: _Optional[str] = ..., max_batch_patches: _Optional[int] = ..., max_images_per_request: _Optional[int] = ..., max_image_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ..., patch_size: _Optional[int] = ..., merge_size: _Optional[int] = ..., temporal_patch_size: _Optional[int] = ..., boot_id: _Optional[str] = ..., hostname: _Optional[str] = ..., version: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
