@@ -139,7 +139,9 @@ class EmbeddingAssembler:
 
     def __init__(self, header: encoder_pb2.EmbeddingHeader, *, max_total_bytes: int | None = None) -> None:
         if len(header.grid_thw) != 3 or any(v <= 0 for v in header.grid_thw):
-            raise WireError(f"image {header.image_index}: grid_thw must be 3 positive ints, got {list(header.grid_thw)}")
+            raise WireError(
+                f"image {header.image_index}: grid_thw must be 3 positive ints, got {list(header.grid_thw)}"
+            )
         size = itemsize(header.datatype)
         expected = header.num_tokens * header.hidden_size * size
         if header.num_tokens == 0 or header.hidden_size == 0:
