@@ -1,0 +1,161 @@
+"""gRPC node plumbing shared by the encoder node and the LLM node.
+
+- ErrorMappingInterceptor: the one place exceptions become status codes. encdis's typed
+  errors keep their code and message; anything else is INTERNAL with a fixed message and
+  the details in the log, so internals never leak and a bad request never kills a node.
+- Health (grpc.health.v1) and reflection, with a HealthState to flip on drain.
+- Prometheus metrics over HTTP, the "ready" line on stdout, systemd notifications, and
+  SIGTERM/SIGINT handling that starts a drain exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from encdis import sd_notify
+from encdis.client.errors import EncdisError
+
+log = logging.getLogger(__name__)
+
+INTERNAL_MESSAGE = "internal error (details are in the node's log)"
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Maps exceptions raised by encdis's own handlers (`/encdis.*` methods) to status codes."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.startswith("/encdis."):
+            return handler
+        method = handler_call_details.method
+        if handler.unary_unary is not None:
+            return handler._replace(unary_unary=_wrap_unary(handler.unary_unary, method))
+        if handler.unary_stream is not None:
+            return handler._replace(unary_stream=_wrap_stream(handler.unary_stream, method))
+        return handler
+
+
+async def _abort_for(exc: BaseException, context: grpc.aio.ServicerContext, method: str) -> None:
+    if isinstance(exc, EncdisError):
+        log.info("%s -> %s: %s", method, exc.code.name, exc.message)
+        await context.abort(exc.code, exc.message)
+    log.exception("%s failed unexpectedly", method, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+
+
+def _wrap_unary(behavior, method: str):
+    async def wrapper(request, context):
+        try:
+            return await behavior(request, context)
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as e:  # noqa: BLE001 - this is the mapping point
+            await _abort_for(e, context, method)
+
+    return wrapper
+
+
+def _wrap_stream(behavior, method: str):
+    async def wrapper(request, context):
+        try:
+            async for item in behavior(request, context):
+                yield item
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as e:  # noqa: BLE001 - this is the mapping point
+            await _abort_for(e, context, method)
+
+    return wrapper
+
+
+class HealthState:
+    """The node's health as seen by load balancers and probes ("" and each service name)."""
+
+    def __init__(self, servicer: health_aio.HealthServicer, service_names: Sequence[str]) -> None:
+        self._servicer = servicer
+        self._names = ["", *service_names]
+        self.serving = False
+
+    async def _set(self, status: int) -> None:
+        for name in self._names:
+            await self._servicer.set(name, status)
+
+    async def set_serving(self) -> None:
+        self.serving = True
+        await self._set(health_pb2.HealthCheckResponse.SERVING)
+
+    async def set_not_serving(self) -> None:
+        self.serving = False
+        await self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+async def add_health_and_reflection(server: grpc.aio.Server, service_full_names: Sequence[str]) -> HealthState:
+    """Register grpc.health.v1 (NOT_SERVING until set_serving) and server reflection."""
+    servicer = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    names = list(service_full_names)
+    reflection.enable_server_reflection(
+        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
+    )
+    state = HealthState(servicer, names)
+    await state.set_not_serving()
+    return state
+
+
+def start_metrics_http(port: int, registry, host: str = "0.0.0.0") -> int | None:
+    """Serve `registry` at http://host:port/metrics; port 0 picks one. None (or <0): disabled."""
+    if port is None or port < 0:
+        return None
+    from prometheus_client import start_http_server
+
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return int(server.server_port)
+
+
+def announce_ready(role: str, grpc_port: int, metrics_port: int | None, **extra: object) -> None:
+    """One stdout line scripts wait for, then READY=1 to systemd."""
+    info = {"role": role, "grpc_port": grpc_port, "metrics_port": metrics_port, "pid": os.getpid(), **extra}
+    print("encdis ready " + json.dumps(info), flush=True)
+    sys.stdout.flush()
+    sd_notify.notify("READY=1")
+
+
+def notify_stopping() -> None:
+    sd_notify.notify("STOPPING=1")
+
+
+def install_drain_signal_handlers(
+    loop: asyncio.AbstractEventLoop, on_drain: Callable[[], Awaitable[None]]
+) -> asyncio.Event:
+    """SIGTERM/SIGINT start `on_drain()` once; the returned event is set when it has finished."""
+    done = asyncio.Event()
+    started = False
+
+    def _start() -> None:
+        nonlocal started
+        if started:
+            return
+        started = True
+
+        async def _run() -> None:
+            try:
+                await on_drain()
+            finally:
+                done.set()
+
+        loop.create_task(_run())
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _start)
+    return done
