@@ -17,6 +17,11 @@ V=${1:-$ROOT/.venv}
 PY="$V/bin/python"
 PIP="$V/bin/pip"
 
+# Skip everything when this venv was already set up from the same recipe and project metadata.
+STAMP="$V/.encdis-setup"
+WANT=$(cat "$0" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)
+if [[ -x "$PY" && -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then exit 0; fi
+
 if [[ ! -x "$PY" ]]; then python3 -m venv "$V"; fi
 "$PIP" install -q --upgrade pip
 
@@ -48,3 +53,4 @@ from vllm.v1.engine.async_llm import AsyncLLM  # noqa: F401
 print("encdis CPU env ok: torch", torch.__version__, "torchvision", torchvision.__version__,
       "transformers", transformers.__version__, "vllm", vllm.__version__)
 PYEOF
+echo "$WANT" > "$STAMP"

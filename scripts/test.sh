@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# README's test command: set up a CPU environment (first run only) and run the whole suite.
+# Extra arguments go to pytest (e.g. `bash scripts/test.sh tests/unit -x`).
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+bash "$ROOT/scripts/setup_cpu.sh" "$ROOT/.venv"
+cd "$ROOT"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+exec "$ROOT/.venv/bin/python" -m pytest -ra "$@"
