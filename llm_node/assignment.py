@@ -1,0 +1,164 @@
+"""Assignment policy: which encoder encodes which image of a request.
+
+Role: the coordinator (and bench/balance.py, which drives this very code) calls `assign` once per
+request with each live encoder's load; `Backlog` tracks the outstanding work per encoder that
+those loads are read from.
+
+API (stable):
+    EncoderLoad(key, backlog_seconds, model)       one encoder as the policy sees it
+    assign(image_patches, encoders) -> list[int]   encoder index per image, in image order
+    Backlog()                                       outstanding images per encoder
+        .add(key, patches, now) -> int              a ticket, when an image is sent
+        .complete(ticket, now)                      when its embedding arrived (or it failed)
+        .seconds(key, model, now) -> float          predicted seconds of work still queued
+        .loads(models, now) -> list[EncoderLoad]    the `encoders` argument of assign
+        .forget(key)                                an encoder left the pool
+
+The policy. Images go in decreasing size (patch count; with non-negative coefficients that is
+also decreasing predicted cost on every encoder, ties kept in request order), each to the
+encoder with the earliest predicted finish:
+
+    finish(e) = backlog_seconds(e) + cost_e(images of this request already given to e) + cost_e(N)
+
+with cost_e the encoder's own fitted model (c0 + c1*N + c2*N^2 per image, summed over images), so
+the N^2 term, c0, the encoder's measured speed and its queue all count. Ties go to the encoder
+that got fewer of this request's patches, then to the lower index. Per-encoder sums are kept as
+exact integers (image count, sum N, sum N^2) and priced in one expression, so equal integer loads
+give bit-identical predicted seconds.
+
+Relation to vLLM (DESIGN.md: "with equal speeds and empty backlogs this must reduce exactly to
+vLLM's greedy patch-count assignment"). vLLM's `get_load_balance_assignment` is largest-first
+(stable order), least summed patches, lowest index on ties. For a LINEAR cost (c0 = c2 = 0) with
+equal coefficients and equal backlogs, finish(e) is a strictly increasing function of the
+encoder's patch sum, so this policy is identical to vLLM's; tests/unit/test_assignment.py checks
+that against vLLM's own function on thousands of random requests. With the real, non-linear cost
+it is deliberately NOT identical: a 4K image costs ~1.7x what the same number of patches in small
+images costs (the N^2 term), and balancing patch sums then leaves the encoder holding the 4K image
+last to finish; balancing predicted seconds is what the cost model is for (bench/balance.py:
+one-shot makespan 1.00-1.02x the lower bound on heavy-tailed batches where vLLM's is 1.03-1.10x).
+Both are greedy heuristics, so per request ours can lose a little (tests: never by more than 5%
+in predicted makespan, and it wins more than 3x as often as it loses).
+
+Using it (the coordinator): loads = backlog.loads(models, now); chosen = assign(patches, loads);
+send image i to loads[chosen[i]].key with ticket = backlog.add(key, patches[i], now); on its
+embedding (or failure) backlog.complete(ticket, now) and model.observe(batch patches, seconds)
+from the BatchTiming it came with. Idle encoders tie at zero backlog and the lowest index wins;
+rotate the order of `models` between requests if work should spread over idle encoders.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+
+from encdis.llm_node.cost_model import CostModel
+
+
+@dataclass(frozen=True)
+class EncoderLoad:
+    """One encoder as the policy sees it: predicted seconds of queued work and its cost model."""
+
+    key: Hashable
+    backlog_seconds: float
+    model: CostModel
+
+
+def assign(image_patches: Sequence[int], encoders: Sequence[EncoderLoad]) -> list[int]:
+    """Index into `encoders` for each image of one request (in the input order of the images)."""
+    if not image_patches:
+        return []
+    if not encoders:
+        raise ValueError("no encoders to assign images to")
+    if any(n <= 0 for n in image_patches):
+        raise ValueError(f"patch counts must be positive, got {list(image_patches)}")
+    coefs = [e.model.coefficients for e in encoders]
+    backlogs = [max(0.0, e.backlog_seconds) for e in encoders]
+    count = [0] * len(encoders)  # this request's images per encoder,
+    given = [0] * len(encoders)  # their patch sum,
+    squares = [0] * len(encoders)  # and their sum of squares: exact integers
+
+    def finish(e: int, n: int) -> tuple[float, int, int]:
+        c0, c1, c2 = coefs[e]
+        seconds = backlogs[e] + c0 * (count[e] + 1) + c1 * (given[e] + n) + c2 * (squares[e] + n * n)
+        return seconds, given[e], e
+
+    # Largest first; Python's sort is stable, so equal sizes keep request order (as vLLM's does).
+    order = sorted(range(len(image_patches)), key=lambda i: image_patches[i], reverse=True)
+    result = [0] * len(image_patches)
+    for i in order:
+        n = image_patches[i]
+        best = min(range(len(encoders)), key=lambda e: finish(e, n))
+        result[i] = best
+        count[best] += 1
+        given[best] += n
+        squares[best] += n * n
+    return result
+
+
+class Backlog:
+    """Outstanding images per encoder, for the backlog term of the policy.
+
+    Work is kept as patch counts and priced with the encoder's CURRENT model when read, so a
+    model that learns the encoder slowed down re-prices its whole queue at once. The time the
+    encoder has already spent on the oldest image (since it became busy or last completed
+    something) is credited, up to that image's predicted cost, so the backlog decays while work is
+    in flight instead of dropping only in steps.
+    """
+
+    def __init__(self) -> None:
+        self._tickets = itertools.count()
+        self._queues: dict[Hashable, OrderedDict[int, int]] = {}
+        self._owner: dict[int, Hashable] = {}
+        self._mark: dict[Hashable, float] = {}  # since when the head image has been worked on
+
+    def add(self, key: Hashable, patches: int, now: float) -> int:
+        """Record an image sent to encoder `key`; returns the ticket to complete it with."""
+        queue = self._queues.setdefault(key, OrderedDict())
+        if not queue:
+            self._mark[key] = now
+        ticket = next(self._tickets)
+        queue[ticket] = patches
+        self._owner[ticket] = key
+        return ticket
+
+    def complete(self, ticket: int, now: float) -> None:
+        """The image's embedding arrived (or its encode failed): it no longer loads the encoder."""
+        key = self._owner.pop(ticket, None)
+        if key is None:
+            return  # already completed, or its encoder was forgotten
+        queue = self._queues[key]
+        was_head = next(iter(queue)) == ticket
+        del queue[ticket]
+        if was_head:
+            self._mark[key] = now
+
+    def forget(self, key: Hashable) -> None:
+        """Drop an encoder that left the pool (its outstanding tickets become no-ops)."""
+        for ticket in self._queues.pop(key, {}):
+            self._owner.pop(ticket, None)
+        self._mark.pop(key, None)
+
+    def outstanding(self, key: Hashable) -> list[int]:
+        """Patch counts of the images still outstanding on `key`, oldest first."""
+        return list(self._queues.get(key, {}).values())
+
+    def seconds(self, key: Hashable, model: CostModel, now: float) -> float:
+        """Predicted seconds of work still queued on encoder `key`."""
+        queue = self._queues.get(key)
+        if not queue:
+            return 0.0
+        total = 0.0
+        head = None
+        for patches in queue.values():
+            cost = model.predict(patches)
+            if head is None:
+                head = cost
+            total += cost
+        credit = min(max(0.0, now - self._mark[key]), head or 0.0)
+        return total - credit
+
+    def loads(self, models: Mapping[Hashable, CostModel], now: float) -> list[EncoderLoad]:
+        """EncoderLoad for each encoder in `models` (in its order): the `encoders` of `assign`."""
+        return [EncoderLoad(key, self.seconds(key, model, now), model) for key, model in models.items()]
