@@ -1,0 +1,5 @@
+"""Encoder node: a gRPC EncoderService running one Qwen2.5-VL vision tower.
+
+settings (flags + env) -> tower (weights) + preprocess (image processor) -> batcher
+(one varlen forward per batch) -> servicer (proto <-> domain) -> server (wiring).
+"""

@@ -1,0 +1,163 @@
+"""Dynamic batching: images from all calls queue; one varlen forward per batch under a patch budget.
+
+The loop takes queued images in arrival order while their patches fit the budget (an image
+larger than the budget runs alone), runs ONE forward pass of the tower in a worker thread
+(so the event loop keeps serving), and hands each image its own slice of the output.
+
+Accounting: `admit` reserves patches when a call is accepted (before preprocessing), so
+queued_patches counts all accepted, unfinished work; they are released when the image's
+batch finishes or when the image is abandoned (failed preprocessing, cancelled call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from encdis.client.errors import ResourceExhausted, Unavailable
+from encdis.client.wire import BatchInfo
+from encdis.encoder_node.metrics import EncoderMetrics
+from encdis.encoder_node.preprocess import PreparedImage
+
+log = logging.getLogger(__name__)
+
+# (pixel_values per image, grid_thw per image) -> embedding per image
+ForwardFn = Callable[[Sequence[torch.Tensor], Sequence[tuple[int, int, int]]], list[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class EncodedImage:
+    embedding: torch.Tensor  # (num_tokens, hidden) on CPU
+    batch: BatchInfo
+    queue_seconds: float
+
+
+@dataclass
+class _Job:
+    image: PreparedImage
+    accepted_at: float
+    future: asyncio.Future
+
+
+class Batcher:
+    def __init__(self, forward: ForwardFn, *, max_batch_patches: int, max_queued_patches: int,
+                 metrics: EncoderMetrics) -> None:
+        self._forward = forward
+        self.max_batch_patches = max_batch_patches
+        self.max_queued_patches = max_queued_patches
+        self._metrics = metrics
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._wakeup = asyncio.Event()
+        self._queued_patches = 0
+        self._closed = False
+        # One thread: forwards never overlap, each has the device (and all CPU cores) to itself.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encdis-forward")
+        self._task: asyncio.Task | None = None
+
+    @property
+    def queued_patches(self) -> int:
+        return self._queued_patches
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="encdis-batcher")
+
+    def admit(self, patches: int) -> None:
+        """Reserve `patches` for a call, or refuse it when the node's queue is full."""
+        if self._closed:
+            raise Unavailable("encoder node is shutting down")
+        # A call bigger than the whole queue limit still runs when the node is otherwise idle.
+        if self._queued_patches > 0 and self._queued_patches + patches > self.max_queued_patches:
+            raise ResourceExhausted(
+                f"encoder queue is full: {self._queued_patches} patches queued, this call needs {patches}, "
+                f"the limit is {self.max_queued_patches}"
+            )
+        self._add_queued(patches)
+
+    def release(self, patches: int) -> None:
+        """Give back reserved patches of images that will not be submitted."""
+        self._add_queued(-patches)
+
+    def submit(self, image: PreparedImage, accepted_at: float) -> asyncio.Future:
+        """Queue an admitted image; the future resolves to its EncodedImage."""
+        fut = asyncio.get_running_loop().create_future()
+        self._queue.append(_Job(image, accepted_at, fut))
+        self._wakeup.set()
+        return fut
+
+    async def close(self) -> None:
+        """Finish what is queued, then stop the loop."""
+        self._closed = True
+        self._wakeup.set()
+        if self._task is not None:
+            await self._task
+        self._executor.shutdown(wait=True)
+
+    def _add_queued(self, delta: int) -> None:
+        self._queued_patches += delta
+        self._metrics.queued_patches.set(self._queued_patches)
+
+    def _take_batch(self) -> list[_Job]:
+        batch: list[_Job] = []
+        patches = 0
+        while self._queue:
+            job = self._queue[0]
+            if job.future.done():  # its call was cancelled while queued
+                self._queue.popleft()
+                self.release(job.image.num_patches)
+                continue
+            n = job.image.num_patches
+            if batch and patches + n > self.max_batch_patches:
+                break
+            batch.append(self._queue.popleft())
+            patches += n
+        return batch
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = self._take_batch()
+            if not batch:
+                if self._closed:
+                    return
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            await self._run_batch(loop, batch)
+
+    async def _run_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_Job]) -> None:
+        images = [j.image for j in batch]
+        patches = [im.num_patches for im in images]
+        started = time.monotonic()
+        try:
+            outputs = await loop.run_in_executor(
+                self._executor, self._forward, [im.pixel_values for im in images], [im.grid_thw for im in images]
+            )
+            error = None
+        except Exception as e:  # noqa: BLE001 - the batch's calls fail, the node goes on
+            log.exception("forward pass of %d images (%d patches) failed", len(batch), sum(patches))
+            outputs, error = None, e
+        seconds = time.monotonic() - started
+        self.release(sum(patches))
+        if error is None:
+            info = BatchInfo(seconds=seconds, image_patches=tuple(patches))
+            m = self._metrics
+            m.batches.inc()
+            m.batch_seconds.observe(seconds)
+            m.batch_patches.observe(sum(patches))
+            m.patches.inc(sum(patches))
+            m.images.inc(len(batch))
+        for i, job in enumerate(batch):
+            if job.future.done():
+                continue
+            if error is not None:
+                job.future.set_exception(error)
+                continue
+            queue_s = started - job.accepted_at
+            self._metrics.queue_seconds.observe(queue_s)
+            job.future.set_result(EncodedImage(embedding=outputs[i], batch=info, queue_seconds=queue_s))

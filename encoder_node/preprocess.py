@@ -1,0 +1,160 @@
+"""Image bytes -> pixel patches, with the checkpoint's own image processor.
+
+The processor is the one vLLM instantiates for Qwen2.5-VL (AutoProcessor's image
+processor: transformers' torchvision-backed Qwen2VLImageProcessor), so pixel values and
+grid_thw equal vLLM's and transformers' own paths. Images are validated from their
+header before any decoding: size in bytes, format, decoded pixels, aspect ratio.
+Every rejection is an InvalidArgument naming the image index and the reason.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+from encdis.client.errors import InvalidArgument
+from encdis.client.wire import content_digest
+from PIL import Image
+from transformers import AutoImageProcessor
+from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+# What PIL may open. Anything else (EPS, PSD, SVG, ...) is refused before decoding.
+ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+# smart_resize refuses aspect ratios above this.
+MAX_ASPECT_RATIO = 200
+
+
+@dataclass(frozen=True)
+class ImageHeader:
+    """What the file says about itself, read without decoding pixels."""
+
+    index: int
+    format: str
+    width: int
+    height: int
+    mode: str
+
+
+@dataclass(frozen=True)
+class PreparedImage:
+    """One image ready for the tower: its patches, grid and embedding key."""
+
+    index: int
+    pixel_values: torch.Tensor  # (t*h*w, channels*temporal_patch*patch*patch), float32
+    grid_thw: tuple[int, int, int]
+    digest: str
+
+    @property
+    def num_patches(self) -> int:
+        t, h, w = self.grid_thw
+        return t * h * w
+
+
+class ImagePreprocessor:
+    """Validates, decodes and preprocesses images for one checkpoint."""
+
+    def __init__(self, model_dir: str | os.PathLike, *, weights_fingerprint: str, max_image_bytes: int,
+                 max_image_pixels: int, min_pixels: int = 0, max_pixels: int = 0) -> None:
+        self.processor = AutoImageProcessor.from_pretrained(str(model_dir))
+        size = self.processor.size
+        self.default_min_pixels = int(size["shortest_edge"])
+        self.default_max_pixels = int(size["longest_edge"])
+        # The node's bounds on per-request values: the checkpoint's own unless widened by settings.
+        self.min_pixels = int(min_pixels or self.default_min_pixels)
+        self.max_pixels = int(max_pixels or self.default_max_pixels)
+        # A request without bounds gets the checkpoint's (what the monolithic model does), so the
+        # node's range must contain them.
+        if not self.min_pixels <= self.default_min_pixels <= self.default_max_pixels <= self.max_pixels:
+            raise ValueError(
+                f"the node's pixel bounds [{self.min_pixels}, {self.max_pixels}] must contain the checkpoint's "
+                f"[{self.default_min_pixels}, {self.default_max_pixels}] (--min-pixels/--max-pixels)"
+            )
+        self.patch_size = int(self.processor.patch_size)
+        self.merge_size = int(self.processor.merge_size)
+        self.temporal_patch_size = int(self.processor.temporal_patch_size)
+        self.weights_fingerprint = weights_fingerprint
+        self.max_image_bytes = max_image_bytes
+        self.max_image_pixels = max_image_pixels
+
+    def resolve_bounds(self, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+        """The effective (min_pixels, max_pixels) of a request: 0 means the checkpoint's own."""
+        lo = int(min_pixels or self.default_min_pixels)
+        hi = int(max_pixels or self.default_max_pixels)
+        bounds = f"this node's bounds [{self.min_pixels}, {self.max_pixels}]"
+        if not self.min_pixels <= lo <= self.max_pixels:
+            raise InvalidArgument(f"min_pixels {lo} is outside {bounds}")
+        if not self.min_pixels <= hi <= self.max_pixels:
+            raise InvalidArgument(f"max_pixels {hi} is outside {bounds}")
+        if lo > hi:
+            raise InvalidArgument(f"min_pixels {lo} is above max_pixels {hi}")
+        return lo, hi
+
+    def inspect(self, index: int, data: bytes) -> ImageHeader:
+        """Check an image from its header alone; raises InvalidArgument('image i: why')."""
+        if not data:
+            raise InvalidArgument(f"image {index}: empty (0 bytes)")
+        if len(data) > self.max_image_bytes:
+            raise InvalidArgument(f"image {index}: {len(data)} bytes exceeds the limit of {self.max_image_bytes} bytes")
+        img = self._open(index, data)
+        width, height = img.size
+        if width <= 0 or height <= 0:
+            raise InvalidArgument(f"image {index}: invalid size {width}x{height}")
+        if width * height > self.max_image_pixels:
+            raise InvalidArgument(
+                f"image {index}: {width}x{height} = {width * height} pixels exceeds the limit of "
+                f"{self.max_image_pixels} pixels"
+            )
+        ratio = max(width, height) / min(width, height)
+        if ratio > MAX_ASPECT_RATIO:
+            raise InvalidArgument(
+                f"image {index}: aspect ratio {ratio:.1f} ({width}x{height}) exceeds {MAX_ASPECT_RATIO}, "
+                "the most the image processor allows"
+            )
+        return ImageHeader(index=index, format=str(img.format), width=width, height=height, mode=img.mode)
+
+    def num_patches(self, header: ImageHeader, min_pixels: int, max_pixels: int) -> int:
+        """Patches the image will have (smart_resize on the header's size), before decoding."""
+        factor = self.patch_size * self.merge_size
+        h, w = smart_resize(header.height, header.width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+        return (h // self.patch_size) * (w // self.patch_size)
+
+    def prepare(self, index: int, data: bytes, min_pixels: int, max_pixels: int) -> PreparedImage:
+        """Decode and preprocess one (already inspected) image. CPU-heavy: call it off the event loop."""
+        img = self._open(index, data)
+        try:
+            img.load()
+        except Exception as e:  # noqa: BLE001 - PIL raises many types for broken files
+            raise InvalidArgument(f"image {index}: cannot decode {img.format}: {e}") from None
+        try:
+            out = self.processor(images=[img], size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
+                                 return_tensors="pt")
+        except (ValueError, OSError, TypeError) as e:
+            raise InvalidArgument(f"image {index}: preprocessing failed: {e}") from None
+        t, h, w = (int(v) for v in out["image_grid_thw"][0].tolist())
+        return PreparedImage(
+            index=index,
+            pixel_values=out["pixel_values"],
+            grid_thw=(t, h, w),
+            digest=content_digest(data, min_pixels, max_pixels, self.weights_fingerprint),
+        )
+
+    def _open(self, index: int, data: bytes) -> Image.Image:
+        """PIL's lazy open: parses the header only; formats outside ALLOWED_FORMATS are refused."""
+        try:
+            with warnings.catch_warnings():
+                # Our own pixel limit applies; PIL's bomb warning would only add noise.
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                return Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
+        except Image.DecompressionBombError as e:
+            raise InvalidArgument(
+                f"image {index}: header claims too many pixels (the limit is {self.max_image_pixels}): {e}"
+            ) from None
+        except Image.UnidentifiedImageError:
+            raise InvalidArgument(
+                f"image {index}: unsupported or corrupt image data (accepted formats: {', '.join(ALLOWED_FORMATS)})"
+            ) from None
+        except Exception as e:  # noqa: BLE001 - a malformed header can raise anything
+            raise InvalidArgument(f"image {index}: unreadable image header: {e}") from None

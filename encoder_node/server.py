@@ -1,0 +1,145 @@
+"""Encoder node wiring: grpc.aio server, interceptor, health + reflection, metrics, load, drain.
+
+Order of events:
+  bind the port (health NOT_SERVING; Encode answers UNAVAILABLE "loading") -> load the
+  tower and processor -> health SERVING -> one "encdis ready" line + sd_notify READY=1.
+  SIGTERM/SIGINT -> health NOT_SERVING + STOPPING=1 -> new Encode calls get UNAVAILABLE
+  -> wait for calls in progress (up to drain_grace_seconds) -> stop -> exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from encdis.client.pb import encoder_pb2, encoder_pb2_grpc
+from encdis.encoder_node.batcher import Batcher
+from encdis.encoder_node.metrics import EncoderMetrics
+from encdis.encoder_node.preprocess import ImagePreprocessor
+from encdis.encoder_node.servicer import EncoderServicer, LoadedModel
+from encdis.encoder_node.settings import EncoderSettings
+from encdis.encoder_node.tower import VisionTower
+
+from encdis.checkpoint import weights_fingerprint
+from encdis.serving import (
+    ErrorMappingInterceptor,
+    add_health_and_reflection,
+    announce_ready,
+    install_drain_signal_handlers,
+    notify_stopping,
+    start_metrics_http,
+)
+
+log = logging.getLogger(__name__)
+
+# RPCs beyond max_concurrent_rpcs Encode calls: health checks and watches, Describe, reflection.
+HEADROOM_RPCS = 64
+
+SERVICE_NAME = encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name
+
+
+def load_model(settings: EncoderSettings, metrics: EncoderMetrics) -> LoadedModel:
+    """Tower, processor and fingerprint (blocking); the batcher is started by the caller."""
+    tower = VisionTower(settings.model, device=settings.device, dtype=settings.torch_dtype_name)
+    fingerprint = weights_fingerprint(settings.model)
+    pre = ImagePreprocessor(
+        settings.model, weights_fingerprint=fingerprint, max_image_bytes=settings.max_image_bytes,
+        max_image_pixels=settings.max_image_pixels, min_pixels=settings.min_pixels, max_pixels=settings.max_pixels,
+    )
+    return LoadedModel(
+        tower=tower, preprocessor=pre, weights_fingerprint=fingerprint,
+        batcher=Batcher(tower.forward, max_batch_patches=settings.max_batch_patches,
+                        max_queued_patches=settings.max_queued_patches, metrics=metrics),
+        preprocess_pool=ThreadPoolExecutor(settings.preprocess_workers, thread_name_prefix="encdis-preprocess"),
+    )
+
+
+def server_options(settings: EncoderSettings) -> list[tuple[str, int]]:
+    # A request carries up to max_images_per_request images of max_image_bytes each; gRPC caps at 2 GiB.
+    max_request = min(settings.max_images_per_request * settings.max_image_bytes + (1 << 20), 2**31 - 1)
+    return [
+        ("grpc.max_receive_message_length", max_request),
+        ("grpc.max_send_message_length", settings.max_chunk_bytes + (1 << 20)),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def bind_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+class EncoderNode:
+    """One running encoder node; `serve` returns its exit code after a drain."""
+
+    def __init__(self, settings: EncoderSettings) -> None:
+        self.settings = settings
+        self.metrics = EncoderMetrics()
+        self.servicer = EncoderServicer(settings, self.metrics)
+        self.model: LoadedModel | None = None
+        self.server: grpc.aio.Server | None = None
+        self.health = None
+        self.port = 0
+        self.metrics_port: int | None = None
+
+    async def start(self) -> None:
+        """Bind and start the server, then load the model; health turns SERVING at the end."""
+        s = self.settings
+        self.server = grpc.aio.server(
+            interceptors=[ErrorMappingInterceptor()], options=server_options(s),
+            # Encode calls are limited by the servicer; this hard cap leaves room for health/Describe.
+            maximum_concurrent_rpcs=s.max_concurrent_rpcs + HEADROOM_RPCS,
+        )
+        encoder_pb2_grpc.add_EncoderServiceServicer_to_server(self.servicer, self.server)
+        self.health = await add_health_and_reflection(self.server, [SERVICE_NAME])
+        self.port = self.server.add_insecure_port(bind_address(s.host, s.port))
+        if self.port == 0:
+            raise OSError(f"cannot bind {bind_address(s.host, s.port)}")
+        await self.server.start()
+        self.metrics_port = start_metrics_http(s.metrics_port, self.metrics.registry, host=s.host)
+        log.info("encoder node listening on port %d; loading %s on %s", self.port, s.model, s.device)
+        self.model = await asyncio.to_thread(load_model, s, self.metrics)
+        self.model.batcher.start()
+        self.servicer.attach(self.model)
+        await self.health.set_serving()
+
+    async def drain(self) -> None:
+        """NOT_SERVING first, refuse new calls, let calls in progress finish, then stop."""
+        log.info("draining: %d calls in progress", self.servicer.inflight)
+        if self.health is not None:
+            await self.health.set_not_serving()
+        notify_stopping()
+        self.servicer.start_draining()
+        if not await self.servicer.wait_idle(self.settings.drain_grace_seconds):
+            log.warning("drain grace of %.0fs over with %d calls in progress; stopping anyway",
+                        self.settings.drain_grace_seconds, self.servicer.inflight)
+        await self.stop(grace=1.0)
+
+    async def stop(self, grace: float | None = None) -> None:
+        if self.server is not None:
+            await self.server.stop(grace)
+        if self.model is not None:
+            await self.model.batcher.close()
+            self.model.preprocess_pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def serve(settings: EncoderSettings) -> int:
+    """Run an encoder node until SIGTERM/SIGINT has drained it; returns the exit code."""
+    node = EncoderNode(settings)
+    drained = install_drain_signal_handlers(asyncio.get_running_loop(), node.drain)
+    start = asyncio.ensure_future(node.start())
+    signalled = asyncio.ensure_future(drained.wait())
+    await asyncio.wait({start, signalled}, return_when=asyncio.FIRST_COMPLETED)
+    if not start.done():  # a signal during loading: the drain stopped the server, nothing was in flight
+        start.cancel()
+        return 0
+    if start.exception() is not None:
+        log.error("encoder node failed to start: %s", start.exception(), exc_info=start.exception())
+        signalled.cancel()
+        await node.stop(grace=0)
+        return 1
+    announce_ready("encoder", node.port, node.metrics_port)
+    await signalled
+    log.info("encoder node stopped")
+    return 0

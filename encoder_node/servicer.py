@@ -1,0 +1,215 @@
+"""EncoderService: proto <-> domain and request validation; no model code and no wiring.
+
+Encode: check the call (node state, image count, resize bounds), check every image from
+its header, reserve its patches in the batcher's queue, preprocess all images (worker
+threads), then queue them and stream each embedding back in request order as soon as it
+is ready. A bad image fails the call before anything is streamed. Errors are raised as
+encdis.client.errors exceptions; the shared interceptor turns them into status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+from encdis.client.errors import EncdisError, InvalidArgument, ResourceExhausted, Unavailable
+from encdis.client.pb import encoder_pb2, encoder_pb2_grpc
+from encdis.client.wire import embedding_messages
+from encdis.encoder_node.batcher import Batcher
+from encdis.encoder_node.metrics import EncoderMetrics
+from encdis.encoder_node.preprocess import ImagePreprocessor
+from encdis.encoder_node.settings import EncoderSettings
+from encdis.encoder_node.tower import VisionTower
+
+import encdis
+
+BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
+# Smallest chunk a caller may ask for: tiny chunks would only multiply messages.
+MIN_CHUNK_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """What a node serves once loading is done."""
+
+    tower: VisionTower
+    preprocessor: ImagePreprocessor
+    weights_fingerprint: str
+    batcher: Batcher
+    preprocess_pool: Executor
+
+
+def read_boot_id() -> str:
+    try:
+        return BOOT_ID_PATH.read_text().strip()
+    except OSError:
+        return ""
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """Raw little-endian row-major bytes of a CPU tensor, without a copy."""
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
+    def __init__(self, settings: EncoderSettings, metrics: EncoderMetrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self._model: LoadedModel | None = None
+        self._draining = False
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # ---- lifecycle (called by server.py)
+
+    def attach(self, model: LoadedModel) -> None:
+        self._model = model
+
+    def start_draining(self) -> None:
+        """From now on new Encode calls get UNAVAILABLE; calls in progress go on."""
+        self._draining = True
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True once no Encode call is in progress, False if `timeout` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    def _ready_model(self) -> LoadedModel:
+        if self._draining:
+            raise Unavailable("encoder node is draining (shutting down); send to another encoder")
+        if self._model is None:
+            raise Unavailable("encoder node is still loading its model")
+        return self._model
+
+    # ---- RPCs
+
+    async def Describe(self, request: encoder_pb2.DescribeRequest,
+                       context: grpc.aio.ServicerContext) -> encoder_pb2.DescribeResponse:
+        if self._model is None:
+            raise Unavailable("encoder node is still loading its model")
+        m, s = self._model, self.settings
+        pre = m.preprocessor
+        return encoder_pb2.DescribeResponse(
+            vision_config_json=json.dumps(m.tower.vision_config_dict, sort_keys=True),
+            out_hidden_size=m.tower.out_hidden_size,
+            weights_fingerprint=m.weights_fingerprint,
+            device=str(m.tower.device),
+            datatype=m.tower.datatype,
+            max_batch_patches=s.max_batch_patches,
+            max_images_per_request=s.max_images_per_request,
+            max_image_bytes=s.max_image_bytes,
+            max_image_pixels=s.max_image_pixels,
+            min_pixels=pre.min_pixels,
+            max_pixels=pre.max_pixels,
+            patch_size=pre.patch_size,
+            merge_size=pre.merge_size,
+            temporal_patch_size=pre.temporal_patch_size,
+            boot_id=read_boot_id(),
+            hostname=socket.gethostname(),
+            version=encdis.__version__,
+            max_chunk_bytes=s.max_chunk_bytes,
+        )
+
+    async def Encode(self, request: encoder_pb2.EncodeRequest,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[encoder_pb2.EncodeResponse]:
+        if self._inflight >= self.settings.max_concurrent_rpcs:
+            # Counted here rather than by gRPC's own limit, so health probes and watches are never refused.
+            self.metrics.requests.labels(code="RESOURCE_EXHAUSTED").inc()
+            raise ResourceExhausted(
+                f"{self._inflight} Encode calls in progress, the limit is {self.settings.max_concurrent_rpcs}"
+            )
+        code = "OK"
+        self._inflight += 1
+        self._idle.clear()
+        self.metrics.inflight_requests.inc()
+        try:
+            async for msg in self._encode(request):
+                yield msg
+        except EncdisError as e:
+            code = e.code.name
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            code = "CANCELLED"
+            raise
+        except Exception:
+            code = "INTERNAL"
+            raise
+        finally:
+            self.metrics.requests.labels(code=code).inc()
+            self.metrics.inflight_requests.dec()
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+
+    async def _encode(self, request: encoder_pb2.EncodeRequest) -> AsyncIterator[encoder_pb2.EncodeResponse]:
+        model = self._ready_model()
+        s, pre = self.settings, model.preprocessor
+        images = request.images
+        if not images:
+            raise InvalidArgument("the request has no images")
+        if len(images) > s.max_images_per_request:
+            raise ResourceExhausted(
+                f"image {s.max_images_per_request}: the request has {len(images)} images, "
+                f"the limit is {s.max_images_per_request} per request"
+            )
+        if 0 < request.max_chunk_bytes < MIN_CHUNK_BYTES:
+            raise InvalidArgument(f"max_chunk_bytes {request.max_chunk_bytes} is below the minimum {MIN_CHUNK_BYTES}")
+        # A caller's limit is a maximum: smaller chunks are always fine, larger ones than the node's are not sent.
+        chunk_bytes = min(request.max_chunk_bytes or s.max_chunk_bytes, s.max_chunk_bytes)
+        lo, hi = pre.resolve_bounds(request.min_pixels, request.max_pixels)
+        headers = [pre.inspect(i, data) for i, data in enumerate(images)]
+        patches = [pre.num_patches(h, lo, hi) for h in headers]
+
+        accepted_at = time.monotonic()
+        model.batcher.admit(sum(patches))
+        reserved = sum(patches)  # patches this call holds that the batcher does not own yet
+        futures: list[asyncio.Future] = []
+        try:
+            loop = asyncio.get_running_loop()
+            prepared = await asyncio.gather(*(
+                loop.run_in_executor(model.preprocess_pool, self._timed_prepare, pre, i, data, lo, hi)
+                for i, data in enumerate(images)
+            ))
+            for p in prepared:
+                futures.append(model.batcher.submit(p, accepted_at))
+            # The batcher now owns each submitted image's (actual) patches.
+            actual = sum(p.num_patches for p in prepared)
+            model.batcher.release(reserved - actual)
+            reserved = 0
+            for p, fut in zip(prepared, futures, strict=True):
+                enc = await fut
+                data = tensor_bytes(enc.embedding)
+                for msg in embedding_messages(
+                    image_index=p.index, grid_thw=p.grid_thw, datatype=model.tower.datatype,
+                    shape=(int(enc.embedding.shape[0]), int(enc.embedding.shape[1])), data=data,
+                    digest=p.digest, max_chunk_bytes=chunk_bytes, batch=enc.batch, queue_seconds=enc.queue_seconds,
+                ):
+                    yield msg
+                self.metrics.embedding_bytes.inc(len(data))
+        finally:
+            if reserved:
+                model.batcher.release(reserved)
+            for fut in futures:  # a cancelled call: images still queued are skipped by the batcher
+                fut.cancel()
+
+    def _timed_prepare(self, pre: ImagePreprocessor, index: int, data: bytes, lo: int, hi: int):
+        t0 = time.monotonic()
+        out = pre.prepare(index, data, lo, hi)
+        self.metrics.preprocess_seconds.observe(time.monotonic() - t0)
+        return out

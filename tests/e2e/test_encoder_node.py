@@ -1,0 +1,126 @@
+"""`encdis encoder` as a real process: ready line, health, `encdis encode`, metrics, SIGTERM drain."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from encdis.client import EncoderClient, Unavailable
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests import encoder_images as images
+from tests.nodes import start_node
+
+
+def _health(address: str) -> int:
+    with grpc.insecure_channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+
+
+def _metric(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    m = re.search(rf"^{name} (\S+)$", text, re.M)
+    assert m, f"{name} missing from /metrics"
+    return float(m.group(1))
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def encoder(tiny_ckpt):
+    node = start_node(["encoder", "--model", str(tiny_ckpt), "--host", "127.0.0.1", "--port", "0",
+                       "--metrics-port", "0", "--drain-grace-seconds", "60"], timeout=180)
+    yield node
+    node.stop()
+
+
+def test_ready_line_health_and_encode_command(encoder, tmp_path):
+    assert encoder.info["role"] == "encoder" and encoder.grpc_port > 0 and encoder.metrics_port > 0
+    assert _health(encoder.address) == health_pb2.HealthCheckResponse.SERVING
+    files = []
+    for name, data in [("a.jpg", images.rgb_jpeg()), ("b.png", images.rgba_png())]:
+        (tmp_path / name).write_bytes(data)
+        files.append(str(tmp_path / name))
+    out = tmp_path / "embeds.safetensors"
+    r = subprocess.run([sys.executable, "-m", "encdis.cli", "encode", "--server", encoder.address, "--out", str(out),
+                        *files], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    from safetensors.numpy import load_file
+
+    saved = load_file(str(out))
+    with EncoderClient(encoder.address, timeout=60) as c:
+        direct = c.encode([open(f, "rb").read() for f in files])
+    for i, e in enumerate(direct):
+        np.testing.assert_array_equal(saved[f"embeds.{i}"], e.array())
+        assert saved[f"grid_thw.{i}"].tolist() == list(e.grid_thw)
+
+
+def test_encode_command_reports_a_bad_image(encoder, tmp_path):
+    bad = tmp_path / "bad.jpg"
+    bad.write_bytes(b"not an image")
+    r = subprocess.run([sys.executable, "-m", "encdis.cli", "encode", "--server", encoder.address,
+                        "--out", str(tmp_path / "x.safetensors"), str(bad)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and "INVALID_ARGUMENT: image 0:" in r.stderr
+
+
+def test_a_node_that_cannot_load_its_model_exits_1_and_says_why(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "encdis.cli", "encoder", "--model", str(tmp_path / "missing"),
+                        "--host", "127.0.0.1", "--port", "0"], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 1
+    assert "failed to start" in r.stderr and "config.json not found" in r.stderr
+    assert "encdis ready" not in r.stdout
+
+
+def test_queued_patches_rise_under_load_and_return_to_zero(encoder):
+    big = [images.near_max_pixels()] * 8
+    seen: list[float] = []
+    with EncoderClient(encoder.address, timeout=120) as c:
+        t = threading.Thread(target=c.encode, args=(big,))
+        t.start()
+        while t.is_alive():
+            seen.append(_metric(encoder.metrics_port, "encdis_encoder_queued_patches"))
+        t.join()
+    assert max(seen) > 0
+    assert _metric(encoder.metrics_port, "encdis_encoder_queued_patches") == 0
+    assert _metric(encoder.metrics_port, "encdis_encoder_patches_total") >= 8 * 1024
+
+
+def test_sigterm_drains_in_flight_calls_refuses_new_ones_and_exits_0(encoder):
+    """Runs last in this module: it stops the shared node."""
+    big = [images.near_max_pixels()] * 8  # 8 x 1024 patches per call: seconds of work on 2 CPUs
+    results: list[object] = []
+
+    def call() -> None:
+        with EncoderClient(encoder.address, timeout=180) as c:
+            try:
+                results.append(c.encode(big))
+            except Exception as e:  # noqa: BLE001 - reported by the assertion below
+                results.append(e)
+
+    callers = [threading.Thread(target=call) for _ in range(4)]
+    for t in callers:
+        t.start()
+    _wait_for(lambda: _metric(encoder.metrics_port, "encdis_encoder_inflight_requests") == 4, 60, "4 calls in flight")
+    encoder.terminate()  # SIGTERM
+    _wait_for(lambda: _health(encoder.address) == health_pb2.HealthCheckResponse.NOT_SERVING, 30, "NOT_SERVING")
+    with EncoderClient(encoder.address, timeout=30) as c, pytest.raises(Unavailable, match="draining"):
+        c.encode([images.rgb_jpeg()])
+    assert encoder.proc.poll() is None  # still finishing the calls in flight
+    for t in callers:
+        t.join(180)
+    assert all(isinstance(r, list) and len(r) == 8 for r in results), results
+    assert encoder.wait(60) == 0
