@@ -14,19 +14,35 @@ from encdis.client.errors import (
     Unavailable,
     WireError,
 )
+from encdis.client.generate_client import (
+    AsyncGenerateClient,
+    EncoderInfo,
+    GenerateChunk,
+    GenerateClient,
+    GenerateResult,
+    TimeSplit,
+    Usage,
+)
 from encdis.client.wire import Embedding
 
 __all__ = [
     "AsyncEncoderClient",
+    "AsyncGenerateClient",
     "DeadlineExceeded",
     "Embedding",
     "EncdisError",
     "EncoderClient",
     "EncoderDescription",
+    "EncoderInfo",
     "FailedPrecondition",
+    "GenerateChunk",
+    "GenerateClient",
+    "GenerateResult",
     "Internal",
     "InvalidArgument",
     "ResourceExhausted",
+    "TimeSplit",
     "Unavailable",
+    "Usage",
     "WireError",
 ]

@@ -1,0 +1,232 @@
+"""Clients for the LLM node's GenerateService, sync and asyncio (streaming).
+
+    with GenerateClient("127.0.0.1:50050") as llm:
+        for chunk in llm.generate_stream("What is in this picture?", [open("cat.jpg", "rb").read()]):
+            print(chunk.text, end="", flush=True)
+        result = llm.generate("Describe it.", images)   # the whole completion at once
+        print(result.text, result.token_ids, result.timing)
+
+Greedy unless a temperature is given. Failed calls raise the typed exceptions of
+`encdis.client.errors` (InvalidArgument names the bad image, Unavailable when no encoder
+can serve the request, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from encdis.client.errors import from_rpc_error
+from encdis.client.pb import llm_pb2, llm_pb2_grpc
+
+# Requests carry encoded images: allow large ones.
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 256 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+]
+
+
+@dataclass(frozen=True)
+class TimeSplit:
+    """Where a request's time went, in seconds."""
+
+    queue: float
+    encode: float
+    transfer: float
+    prefill: float
+    decode: float
+    total: float
+
+    @classmethod
+    def from_proto(cls, t: llm_pb2.TimeSplit) -> TimeSplit:
+        return cls(t.queue_seconds, t.encode_seconds, t.transfer_seconds, t.prefill_seconds, t.decode_seconds,
+                   t.total_seconds)
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    image_tokens: int
+    images: int
+    cached_images: int
+
+    @classmethod
+    def from_proto(cls, u: llm_pb2.Usage) -> Usage:
+        return cls(u.prompt_tokens, u.completion_tokens, u.image_tokens, u.images, u.cached_images)
+
+
+@dataclass(frozen=True)
+class GenerateChunk:
+    """One streamed message: a text delta and its token ids; the last has usage and timing."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str
+    request_id: str
+    usage: Usage | None = None
+    timing: TimeSplit | None = None
+
+    @classmethod
+    def from_proto(cls, m: llm_pb2.GenerateResponse) -> GenerateChunk:
+        return cls(
+            text=m.text,
+            token_ids=tuple(m.token_ids),
+            finished=m.finished,
+            finish_reason=m.finish_reason,
+            request_id=m.request_id,
+            usage=Usage.from_proto(m.usage) if m.HasField("usage") else None,
+            timing=TimeSplit.from_proto(m.timing) if m.HasField("timing") else None,
+        )
+
+
+@dataclass
+class GenerateResult:
+    """A whole completion, gathered from the stream."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    request_id: str = ""
+    usage: Usage | None = None
+    timing: TimeSplit | None = None
+
+    def add(self, c: GenerateChunk) -> None:
+        self.text += c.text
+        self.token_ids.extend(c.token_ids)
+        self.request_id = c.request_id or self.request_id
+        if c.finished:
+            self.finish_reason, self.usage, self.timing = c.finish_reason, c.usage, c.timing
+
+
+@dataclass(frozen=True)
+class EncoderInfo:
+    """One encoder as the LLM node's coordinator sees it."""
+
+    address: str
+    name: str
+    state: str
+    reason: str
+    backlog_seconds: float
+    backlog_patches: int
+    patches_per_second: float
+    assigned_patches: int
+    assigned_images: int
+
+    @classmethod
+    def from_proto(cls, e: llm_pb2.EncoderInfo) -> EncoderInfo:
+        return cls(e.address, e.name, e.state, e.reason, e.backlog_seconds, e.backlog_patches,
+                   e.patches_per_second, e.assigned_patches, e.assigned_images)
+
+
+def generate_request(
+    prompt: str,
+    images: Sequence[bytes] = (),
+    *,
+    max_tokens: int = 0,
+    temperature: float = 0.0,
+    top_p: float = 0.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    ignore_eos: bool = False,
+    stop: Sequence[str] = (),
+    request_id: str = "",
+) -> llm_pb2.GenerateRequest:
+    req = llm_pb2.GenerateRequest(prompt=prompt, images=list(images), max_tokens=max_tokens,
+                                  temperature=temperature, top_p=top_p, top_k=top_k, ignore_eos=ignore_eos,
+                                  stop=list(stop), request_id=request_id)
+    if seed is not None:
+        req.seed = seed
+    return req
+
+
+class GenerateClient:
+    """Blocking client for an LLM node."""
+
+    def __init__(self, target: str, *, timeout: float | None = None, channel: grpc.Channel | None = None) -> None:
+        self.target = target
+        self.timeout = timeout
+        self._channel = channel or grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._stub = llm_pb2_grpc.GenerateServiceStub(self._channel)
+
+    def generate_stream(self, prompt: str, images: Sequence[bytes] = (), *, timeout: float | None = None,
+                        **params) -> Iterator[GenerateChunk]:
+        """Stream the completion; keyword params as in `generate_request`."""
+        req = generate_request(prompt, images, **params)
+        try:
+            for msg in self._stub.Generate(req, timeout=timeout or self.timeout):
+                yield GenerateChunk.from_proto(msg)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    def generate(self, prompt: str, images: Sequence[bytes] = (), *, timeout: float | None = None,
+                 **params) -> GenerateResult:
+        """The whole completion."""
+        out = GenerateResult()
+        for c in self.generate_stream(prompt, images, timeout=timeout, **params):
+            out.add(c)
+        return out
+
+    def list_encoders(self, *, timeout: float | None = None) -> list[EncoderInfo]:
+        try:
+            r = self._stub.ListEncoders(llm_pb2.ListEncodersRequest(), timeout=timeout or self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        return [EncoderInfo.from_proto(e) for e in r.encoders]
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> GenerateClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncGenerateClient:
+    """asyncio client for an LLM node (grpc.aio)."""
+
+    def __init__(self, target: str, *, timeout: float | None = None,
+                 channel: grpc.aio.Channel | None = None) -> None:
+        self.target = target
+        self.timeout = timeout
+        self._channel = channel or grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._stub = llm_pb2_grpc.GenerateServiceStub(self._channel)
+
+    async def generate_stream(self, prompt: str, images: Sequence[bytes] = (), *, timeout: float | None = None,
+                              **params) -> AsyncIterator[GenerateChunk]:
+        req = generate_request(prompt, images, **params)
+        call = self._stub.Generate(req, timeout=timeout or self.timeout)
+        try:
+            async for msg in call:
+                yield GenerateChunk.from_proto(msg)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        finally:
+            call.cancel()  # no-op when finished; stops the server's work if we stopped reading
+
+    async def generate(self, prompt: str, images: Sequence[bytes] = (), *, timeout: float | None = None,
+                       **params) -> GenerateResult:
+        out = GenerateResult()
+        async for c in self.generate_stream(prompt, images, timeout=timeout, **params):
+            out.add(c)
+        return out
+
+    async def list_encoders(self, *, timeout: float | None = None) -> list[EncoderInfo]:
+        try:
+            r = await self._stub.ListEncoders(llm_pb2.ListEncodersRequest(), timeout=timeout or self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        return [EncoderInfo.from_proto(e) for e in r.encoders]
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncGenerateClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,7 @@
+"""The LLM node: vLLM (vision tower not loaded) fed by a pool of encoder nodes.
+
+Modules: settings (flags + environment), engine (vLLM AsyncLLM host), prompt (chat
+template), coordinator/pool/embedding_cache (images -> embeddings over the encoder pool),
+servicer (GenerateService), server (wiring), metrics, cli, demo, reference (monolithic
+vLLM runner used by tests and benchmarks).
+"""

@@ -1,0 +1,218 @@
+"""`encdis demo`: encdis end to end on one machine, on the tiny checkpoint.
+
+Builds the tiny Qwen2.5-VL checkpoint if it is absent, starts two encoder nodes and one
+LLM node as child processes (ephemeral ports, read from their ready lines), sends a few
+requests with one to four images, prints each answer with its time split and each
+encoder's share of the patches, then shuts everything down: the children and their own
+children (vLLM's engine processes) never outlive the demo, also on Ctrl-C or SIGTERM.
+
+The tiny checkpoint's weights are random: answers are fluent nonsense, but they are
+exactly what the monolithic model would say (tests/e2e/test_llm_equality.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+READY_PREFIX = "encdis ready "
+DEFAULT_MODEL_DIR = Path("~/.cache/encdis/tiny-qwen2.5-vl").expanduser()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, default=None,
+                   help=f"checkpoint directory; built (tiny, random) if absent (default {DEFAULT_MODEL_DIR})")
+    p.add_argument("--encoders", type=int, default=2, help="encoder nodes to start (default 2)")
+    p.add_argument("--max-tokens", type=int, default=24, help="tokens per answer (default 24)")
+    p.add_argument("--start-timeout", type=float, default=900.0, help="seconds a node may take to start")
+
+
+def synthetic_photo(width: int, height: int, seed: int) -> bytes:
+    """A deterministic photo-like PNG (gradients, shapes, noise): no package here ships photos."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    base = np.stack([
+        127 + 120 * np.sin(x / (17 + 7 * seed) + rng.uniform(0, 6)),
+        127 + 120 * np.cos(y / (23 + 5 * seed) + rng.uniform(0, 6)),
+        127 + 120 * np.sin((x + y) / (31 + 3 * seed)),
+    ], axis=-1)
+    base += rng.normal(0, 12, base.shape)
+    img = Image.fromarray(np.clip(base, 0, 255).astype(np.uint8), "RGB")
+    draw = ImageDraw.Draw(img)
+    for _ in range(4):
+        x0, y0 = int(rng.integers(0, width - 8)), int(rng.integers(0, height - 8))
+        x1, y1 = x0 + int(rng.integers(8, max(9, width // 2))), y0 + int(rng.integers(8, max(9, height // 2)))
+        color = tuple(int(c) for c in rng.integers(0, 256, 3))
+        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)([x0, y0, x1, y1], fill=color)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def demo_requests() -> list[tuple[str, list[bytes]]]:
+    landscape = synthetic_photo(448, 336, seed=3)
+    square = synthetic_photo(224, 224, seed=0)
+    wide = synthetic_photo(336, 168, seed=1)
+    small = synthetic_photo(84, 112, seed=2)
+    return [
+        ("Describe the picture.", [landscape]),
+        ("What is in this image?", [square]),
+        ("Compare the two pictures.", [wide, small]),
+        ("What differs between these pictures?", [square, wide, small, landscape]),
+    ]
+
+
+class Child:
+    """One node process: its own session (so its whole group can be killed), stdout watched."""
+
+    def __init__(self, name: str, args: Sequence[str], log_dir: Path) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+               "TOKENIZERS_PARALLELISM": "false", **os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "encdis.cli", *args], stdout=subprocess.PIPE,
+                                     stderr=self._log, text=True, env=env, start_new_session=True)
+        self.info: dict | None = None
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._log.write(line)
+            self._log.flush()
+            if line.startswith(READY_PREFIX) and self.info is None:
+                self.info = json.loads(line[len(READY_PREFIX):])
+                self._ready.set()
+        self._ready.set()  # exited
+
+    def wait_ready(self, timeout: float) -> str:
+        self._ready.wait(timeout)
+        if self.info is None:
+            tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:])
+            raise RuntimeError(f"{self.name} did not start (exit {self.proc.poll()}); log {self.log_path}:\n{tail}")
+        return f"127.0.0.1:{self.info['grpc_port']}"
+
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout: float) -> None:
+        """Wait for a terminated child, then kill whatever is left of its process group."""
+        self.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        self._log.close()
+
+
+def ensure_checkpoint(model: Path | None) -> Path:
+    path = (model or DEFAULT_MODEL_DIR).expanduser()
+    if not (path / "config.json").exists():
+        from encdis.tiny_checkpoint import make_tiny_checkpoint
+
+        print(f"building the tiny checkpoint in {path} ...", flush=True)
+        make_tiny_checkpoint(path, seed=0, shards=3)
+    return path
+
+
+async def send_requests(address: str, max_tokens: int) -> tuple[list, list]:
+    from encdis.client.generate_client import AsyncGenerateClient
+
+    async with AsyncGenerateClient(address, timeout=600) as client:
+        reqs = demo_requests()
+        results = await asyncio.gather(*(client.generate(p, ims, max_tokens=max_tokens) for p, ims in reqs))
+        encoders = await client.list_encoders()
+    return [(p, ims, r) for (p, ims), r in zip(reqs, results, strict=True)], encoders
+
+
+def print_report(answers: list, encoders: list) -> None:
+    for i, (prompt, images, r) in enumerate(answers, 1):
+        t = r.timing
+        print(f"\n[{i}] {len(images)} image(s): {prompt}")
+        print(f"    answer: {r.text!r}")
+        print(f"    tokens: {len(r.token_ids)} generated, {r.usage.prompt_tokens} prompt "
+              f"({r.usage.image_tokens} image tokens, {r.usage.cached_images} cached images)")
+        print(f"    time split (ms): queue {t.queue * 1e3:.1f}  encode {t.encode * 1e3:.1f}  "
+              f"transfer {t.transfer * 1e3:.1f}  prefill {t.prefill * 1e3:.1f}  decode {t.decode * 1e3:.1f}  "
+              f"total {t.total * 1e3:.1f}")
+    total = sum(e.assigned_patches for e in encoders) or 1
+    print("\nencoders:")
+    for e in encoders:
+        print(f"    {e.address}  {e.state:<10} {e.assigned_images} images  {e.assigned_patches} patches "
+              f"({100 * e.assigned_patches / total:.0f}% of patches)")
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run(args: argparse.Namespace) -> int:
+    # SIGTERM takes the Ctrl-C path, so the children are always stopped.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    children: list[Child] = []
+    log_dir = Path(tempfile.mkdtemp(prefix="encdis-demo-"))
+    rc = 1
+    try:
+        model = ensure_checkpoint(args.model)
+        print(f"checkpoint: {model}", flush=True)
+        t0 = time.monotonic()
+        for i in range(args.encoders):
+            children.append(Child(f"encoder-{i}", ["encoder", "--model", str(model), "--host", "127.0.0.1",
+                                                   "--port", "0"], log_dir))
+        addresses = [c.wait_ready(args.start_timeout) for c in children]
+        for c, a in zip(children, addresses, strict=True):
+            print(f"{c.name} ready at {a} (pid {c.proc.pid})", flush=True)
+        print("starting the LLM node (vLLM, vision tower not loaded) ...", flush=True)
+        llm = Child("llm", ["llm", "--model", str(model), "--host", "127.0.0.1", "--port", "0",
+                            "--encoders", ",".join(addresses)], log_dir)
+        children.append(llm)
+        address = llm.wait_ready(args.start_timeout)
+        print(f"LLM node ready at {address} (pid {llm.proc.pid}, vision-tower parameters in vLLM: "
+              f"{llm.info.get('vision_tower_parameters')}) after {time.monotonic() - t0:.0f}s", flush=True)
+        answers, encoders = asyncio.run(send_requests(address, args.max_tokens))
+        print_report(answers, encoders)
+        rc = 0
+        return rc
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping the nodes", file=sys.stderr, flush=True)
+        rc = 130
+        return rc
+    except Exception as e:  # noqa: BLE001 - report, then clean up below
+        print(f"encdis demo failed: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip the clean-up
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for c in reversed(children):  # LLM node first: it stops sending work to the encoders
+            c.terminate()
+        for c in reversed(children):
+            c.stop(timeout=30)
+        if children:
+            print("all nodes stopped", flush=True)
+        if rc == 0:
+            shutil.rmtree(log_dir, ignore_errors=True)  # kept when something went wrong
+        else:
+            print(f"node logs kept in {log_dir}", file=sys.stderr, flush=True)

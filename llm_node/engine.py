@@ -1,0 +1,240 @@
+"""Engine host: vLLM's AsyncLLM in the LLM node's process, fed pre-computed image embeddings.
+
+The engine starts with `enable_mm_embeds=True` and `limit_mm_per_prompt={"image": 0,
+"video": 0}`, so vLLM replaces the vision tower with a parameter-less placeholder and
+gives its memory to the KV cache. Each request carries, for its images in prompt order,
+one concatenated `image_embeds` tensor (sum of tokens x hidden) and an `image_grid_thw`
+(n x 3); vLLM splits the tensor back per image by grid size, and the content digests go
+in as multimodal uuids so vLLM's caches key on content.
+
+The same host with `tower=True` is the monolithic reference (raw images, tower loaded):
+one set of engine arguments for both, so the only difference is where the tower runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from encdis.client.errors import InvalidArgument
+from encdis.llm_node.settings import LLMSettings
+
+log = logging.getLogger(__name__)
+
+# A vLLM worker extension: its methods become callable by name through collective_rpc,
+# so probing the workers needs no pickled closures (and no insecure serialization).
+PROBE_CLS = "encdis.llm_node.engine.VisionTowerProbe"
+
+
+class VisionTowerProbe:
+    """Mixed into every vLLM worker: reports what of the vision tower the worker holds."""
+
+    def encdis_vision_tower(self) -> dict[str, Any]:
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        visual = getattr(model, "visual", None)
+        names = [n for n, _ in model.named_parameters() if "visual" in n.split(".")]
+        numel = sum(p.numel() for n, p in model.named_parameters() if "visual" in n.split("."))
+        return {
+            "visual_type": type(visual).__name__ if visual is not None else None,
+            "visual_parameters": int(numel),
+            "visual_parameter_names": names[:5],
+            "model_parameters": int(sum(p.numel() for p in model.parameters())),
+        }
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """What the caller asked for; greedy unless temperature > 0."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+
+    def to_vllm(self):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+            stop=list(self.stop) or None,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+
+@dataclass(frozen=True)
+class ImageEmbedding:
+    """One image's embedding as vLLM takes it: (tokens, hidden) rows, its patch grid, its uuid."""
+
+    embeds: Any  # torch.Tensor (tokens, hidden)
+    grid_thw: tuple[int, int, int]
+    digest: str
+
+
+@dataclass
+class GenerationDelta:
+    """Text and token ids produced since the previous delta of one request."""
+
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    timestamp: float = field(default_factory=time.monotonic)
+
+
+def is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def resolve_dtype(dtype: str, cpu: bool) -> str:
+    """float32 on CPU unless told otherwise (bf16 logits differ enough to flip greedy tokens)."""
+    if dtype != "auto":
+        return dtype
+    return "float32" if cpu else "auto"
+
+
+def engine_kwargs(settings: LLMSettings, *, tower: bool, max_images: int = 16) -> dict[str, Any]:
+    """AsyncEngineArgs for the node (tower=False) or the monolithic reference (tower=True)."""
+    cpu = is_cpu()
+    kw: dict[str, Any] = dict(
+        model=settings.model,
+        tensor_parallel_size=settings.tp,
+        dtype=resolve_dtype(settings.dtype, cpu),
+        max_model_len=settings.max_model_len,
+        max_num_seqs=settings.max_num_seqs,
+        seed=0,
+        enforce_eager=cpu,  # no CUDA graphs / compile on CPU: faster start, same numerics
+        worker_extension_cls=PROBE_CLS,
+        disable_log_stats=True,
+    )
+    if not cpu:
+        kw["gpu_memory_utilization"] = settings.gpu_memory_utilization
+    if tower:
+        kw["limit_mm_per_prompt"] = {"image": max_images, "video": 0}
+    else:
+        kw["limit_mm_per_prompt"] = {"image": 0, "video": 0}
+        kw["enable_mm_embeds"] = True
+        ipc = settings.mm_tensor_ipc
+        if ipc == "auto":
+            # torch_shm hands tensors to the engine core through shared memory instead of
+            # serialising them; vLLM supports it with a single rank only.
+            ipc = "torch_shm" if settings.tp == 1 else "direct_rpc"
+        kw["mm_tensor_ipc"] = ipc
+    return kw
+
+
+def prepare_environment(settings: LLMSettings, kwargs: dict[str, Any]) -> None:
+    """Process environment vLLM reads at engine start (set only where the operator has not)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if kwargs.get("mm_tensor_ipc") == "torch_shm" or settings.tp > 1:
+        # torch_shm refuses to start without spawn; spawn is also what CPU workers need.
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    if is_cpu():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(settings.kv_cache_gib)))))
+        if settings.tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1))
+                                                                for i in range(settings.tp))
+
+
+def embeds_mm_data(images: Sequence[ImageEmbedding]) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    """multi_modal_data and multi_modal_uuids for images in prompt order."""
+    import torch
+
+    embeds = torch.cat([im.embeds for im in images], dim=0)
+    grid = torch.tensor([list(im.grid_thw) for im in images], dtype=torch.int64)
+    return ({"image": {"image_embeds": embeds, "image_grid_thw": grid}},
+            {"image": [im.digest for im in images]})
+
+
+class EngineHost:
+    """Owns one AsyncLLM; `generate` streams deltas for a rendered prompt and its images."""
+
+    def __init__(self, settings: LLMSettings, *, tower: bool = False, max_images: int = 16) -> None:
+        self.settings = settings
+        self.tower = tower
+        self.kwargs = engine_kwargs(settings, tower=tower, max_images=max_images)
+        self._llm = None
+
+    @property
+    def llm(self):
+        if self._llm is None:
+            raise RuntimeError("engine not started")
+        return self._llm
+
+    def start(self) -> None:
+        """Build the engine (blocking: loads weights, profiles memory, starts the engine core)."""
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        prepare_environment(self.settings, self.kwargs)
+        t0 = time.monotonic()
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.kwargs))
+        log.info("vLLM engine ready in %.1fs (%s)", time.monotonic() - t0,
+                 "tower loaded" if self.tower else "vision tower not loaded, embeddings in")
+
+    async def generate(
+        self,
+        prompt: str,
+        sampling: SamplingSpec,
+        *,
+        images: Sequence[ImageEmbedding] = (),
+        raw_images: Sequence[Any] = (),
+        request_id: str | None = None,
+    ) -> AsyncIterator[GenerationDelta]:
+        """Stream a completion. Node: `images` (embeddings). Reference: `raw_images` (PIL)."""
+        inputs: dict[str, Any] = {"prompt": prompt}
+        if images:
+            mm, uuids = embeds_mm_data(images)
+            inputs["multi_modal_data"] = mm
+            inputs["multi_modal_uuids"] = uuids
+        elif raw_images:
+            inputs["multi_modal_data"] = {"image": list(raw_images)}
+        from vllm.exceptions import VLLMClientError
+
+        rid = request_id or uuid.uuid4().hex
+        prompt_tokens = 0
+        started = False
+        try:
+            async for out in self.llm.generate(inputs, sampling.to_vllm(), rid):
+                started = True
+                if out.prompt_token_ids is not None:
+                    prompt_tokens = len(out.prompt_token_ids)
+                c = out.outputs[0]
+                yield GenerationDelta(
+                    text=c.text,
+                    token_ids=list(c.token_ids),
+                    finished=out.finished,
+                    finish_reason=c.finish_reason if out.finished else None,
+                    prompt_tokens=prompt_tokens,
+                )
+        except (VLLMClientError, ValueError) as e:
+            # vLLM validates a request (e.g. prompt plus max_tokens longer than max_model_len)
+            # before generating anything: such a failure is the request's, not the node's.
+            if started:
+                raise
+            raise InvalidArgument(f"rejected by the engine: {e}") from None
+
+    async def vision_tower(self) -> list[dict[str, Any]]:
+        """Per worker: the vision-tower parameters it holds (0 for the node's engine)."""
+        return await self.llm.collective_rpc("encdis_vision_tower")
+
+    def shutdown(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
