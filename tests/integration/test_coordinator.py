@@ -1,0 +1,377 @@
+"""The coordinator in-process against real encoder-node subprocesses (no vLLM).
+
+Two encoders serve the session's tiny checkpoint on 127.0.0.2 and 127.0.0.3 with the SAME
+port, so a DNS name listing both addresses (a headless Service, as in Kubernetes) reaches
+them; a third serves another checkpoint (seed 1) and must be refused. A tiny DNS server on
+loopback, written here with dnspython's message codec, plays the cluster DNS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import logging
+import os
+import re
+import signal
+import socket
+import threading
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Sequence
+
+import dns.flags
+import dns.message
+import dns.rcode
+import dns.rdatatype
+import dns.rrset
+import numpy as np
+import pytest
+import torch
+from encdis.client.encoder_client import EncoderClient
+from encdis.client.errors import InvalidArgument, Unavailable
+from encdis.client.wire import content_digest
+from encdis.llm_node.coordinator import Coordinator, CoordinatorSettings
+from encdis.llm_node.dns_resolver import Resolver
+from PIL import Image
+from prometheus_client import CollectorRegistry
+
+from tests.nodes import NodeProcess
+
+# The tiny checkpoint's processor bounds, sent explicitly so digests match the coordinator's.
+MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 256
+NODE_TIMEOUT = 300
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def encoder_args(model, host: str, port: int = 0) -> list[str]:
+    return ["encoder", "--model", str(model), "--host", host, "--port", str(port), "--metrics-port", "0"]
+
+
+def patches_total(node: NodeProcess) -> float:
+    """The encoder's encdis_encoder_patches_total, scraped from its metrics endpoint."""
+    text = urllib.request.urlopen(f"http://{node.host}:{node.metrics_port}/metrics", timeout=10).read().decode()
+    m = re.search(r"^encdis_encoder_patches_total (\S+)$", text, re.M)
+    assert m, "encoder exports no encdis_encoder_patches_total"
+    return float(m.group(1))
+
+
+def metric(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    return registry.get_sample_value(name, labels) or 0.0
+
+
+# -- nodes -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_ckpt, other_ckpt):
+    """(a, b, other): a and b serve tiny_ckpt on 127.0.0.2/127.0.0.3 with one port; other serves seed 1."""
+    started: list[NodeProcess] = []
+    try:
+        a = NodeProcess(encoder_args(tiny_ckpt, "127.0.0.2"), host="127.0.0.2")
+        other = NodeProcess(encoder_args(other_ckpt, "127.0.0.1"), host="127.0.0.1")
+        started += [a, other]
+        a.wait_ready(NODE_TIMEOUT)
+        b = NodeProcess(encoder_args(tiny_ckpt, "127.0.0.3", a.grpc_port), host="127.0.0.3")
+        started.append(b)
+        b.wait_ready(NODE_TIMEOUT)
+        other.wait_ready(NODE_TIMEOUT)
+        yield a, b, other
+    finally:
+        for node in started:
+            node.stop()
+
+
+@pytest.fixture
+def victim(tiny_ckpt):
+    """An encoder of the right checkpoint that a test may kill or drain."""
+    node = NodeProcess(encoder_args(tiny_ckpt, "127.0.0.1"), host="127.0.0.1").wait_ready(NODE_TIMEOUT)
+    try:
+        yield node
+    finally:
+        node.stop()
+
+
+@contextlib.asynccontextmanager
+async def coordinator(ckpt, encoders: Sequence[str], **settings) -> AsyncIterator[Coordinator]:
+    registry = CollectorRegistry()
+    settings.setdefault("encoder_wait_seconds", 30.0)
+    coord = Coordinator.from_checkpoint(CoordinatorSettings(encoders=tuple(encoders), **settings), registry, ckpt)
+    coord.registry = registry  # for the tests' metric reads
+    await coord.start()
+    try:
+        yield coord
+    finally:
+        await coord.stop()
+
+
+async def wait_for(predicate, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def states(coord: Coordinator) -> dict[str, str]:
+    return {e.address: e.state for e in coord.encoders()}
+
+
+# -- tests -----------------------------------------------------------------------------------
+
+
+async def test_images_spread_over_both_encoders_and_equal_a_direct_call(pair, tiny_ckpt) -> None:
+    a, b, _ = pair
+    images = [png(40 + 50 * i, 300 - 30 * i, seed=i) for i in range(8)]
+    async with coordinator(tiny_ckpt, [a.address, b.address]) as coord:
+        await wait_for(lambda: len(coord.pool.serving()) == 2, what="both encoders serving")
+        result = await coord.encode(images)
+        per_encoder = {e.address: e for e in coord.encoders()}
+    assert all(per_encoder[n.address].assigned_images > 0 for n in (a, b)), per_encoder
+    assert sum(e.assigned_images for e in per_encoder.values()) == len(images)
+    with EncoderClient(a.address) as direct:
+        expected = direct.encode(images, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    assert len(result.images) == len(images)
+    for got, want in zip(result.images, expected, strict=True):
+        assert got.grid_thw == want.grid_thw and got.digest == want.digest and not got.cached
+        assert got.embeds.shape == (want.shape[0], want.shape[1])
+        # Both encoders run the same weights in fp32; only a batch's matmul shapes may differ.
+        torch.testing.assert_close(got.embeds, torch.from_numpy(want.array().copy()))
+    assert result.wall_seconds > 0
+    assert abs(result.queue_seconds + result.encode_seconds + result.transfer_seconds - result.wall_seconds) < 1e-6
+
+
+async def test_encoder_of_another_checkpoint_is_refused_and_gets_no_work(pair, tiny_ckpt) -> None:
+    a, _, other = pair
+    before = patches_total(other)
+    async with coordinator(tiny_ckpt, [other.address, a.address]) as coord:
+        await wait_for(lambda: states(coord) == {other.address: "refused", a.address: "serving"},
+                       what="other refused, a serving")
+        refused = next(e for e in coord.encoders() if e.address == other.address)
+        assert "weights_fingerprint" in refused.reason
+        await coord.encode([png(120, 90, seed=100 + i) for i in range(4)])
+        assert refused.assigned_images == 0
+        assert next(e for e in coord.encoders() if e.address == a.address).assigned_images == 4
+        assert metric(coord.registry, "encdis_coordinator_encoders", state="refused") == 1
+    assert patches_total(other) == before
+
+
+async def test_no_usable_encoder_fails_with_unavailable_naming_why(pair, tiny_ckpt) -> None:
+    _, _, other = pair
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    async with coordinator(tiny_ckpt, [other.address, dead], encoder_wait_seconds=5.0) as coord:
+        t0 = time.monotonic()
+        with pytest.raises(Unavailable) as info:
+            await coord.encode([png(64, 64, seed=1)])
+        assert time.monotonic() - t0 < 20
+    message = info.value.message
+    assert message.startswith("no encoder can serve this request")
+    assert f"{other.address} refused" in message and f"{dead} unhealthy" in message
+    async with coordinator(tiny_ckpt, []) as coord:
+        with pytest.raises(Unavailable, match="no encoder"):
+            await coord.encode([png(64, 64, seed=1)])
+
+
+async def test_repeated_image_hits_the_cache_and_identical_in_flight_images_encode_once(pair, tiny_ckpt) -> None:
+    a, _, _ = pair
+    image = png(200, 150, seed=7)
+    async with coordinator(tiny_ckpt, [a.address]) as coord:
+        start = patches_total(a)
+        first = await coord.encode([image])
+        after_first = patches_total(a)
+        assert after_first > start and not first.images[0].cached
+        second = await coord.encode([image])
+        assert second.images[0].cached and torch.equal(second.images[0].embeds, first.images[0].embeds)
+        assert patches_total(a) == after_first  # no second encode
+        assert metric(coord.registry, "encdis_coordinator_cache_hits_total") == 1
+        assert metric(coord.registry, "encdis_coordinator_cache_misses_total") == 1
+
+        fresh = png(300, 200, seed=8)
+        before = patches_total(a)
+        results = await asyncio.gather(coord.encode([fresh]), coord.encode([fresh]), coord.encode([fresh, fresh]))
+        one_image = patches_total(a) - before
+        grid = results[0].images[0].grid_thw
+        assert one_image == grid[0] * grid[1] * grid[2]  # encoded exactly once for four uses
+        embeds = [img.embeds for r in results for img in r.images]
+        assert all(torch.equal(e, embeds[0]) for e in embeds)
+
+
+async def test_bad_image_fails_naming_its_index_in_the_request(pair, tiny_ckpt) -> None:
+    a, b, _ = pair
+    good = png(100, 100, seed=11)
+    truncated = png(150, 120, seed=12)
+    truncated = truncated[: len(truncated) // 2]  # the header parses; the pixels do not
+    async with coordinator(tiny_ckpt, [a.address, b.address]) as coord:
+        with pytest.raises(InvalidArgument) as info:
+            await coord.encode([good, good, b"not an image at all"])
+        assert info.value.message.startswith("image 2: "), info.value.message
+        await coord.encode([good])  # cached: not sent again below
+        with pytest.raises(InvalidArgument) as info:
+            await coord.encode([good, png(90, 90, seed=13), truncated])
+        assert info.value.message.startswith("image 2: "), info.value.message
+        # The node keeps serving other requests.
+        assert len((await coord.encode([png(70, 70, seed=14)])).images) == 1
+
+
+async def test_a_cancelled_request_hands_its_in_flight_image_to_the_next(pair, tiny_ckpt) -> None:
+    _, b, _ = pair
+    image = png(180, 120, seed=150)
+    async with coordinator(tiny_ckpt, [b.address]) as coord:
+        await wait_for(lambda: len(coord.pool.serving()) == 1, what="b serving")
+        os.kill(b.pid, signal.SIGSTOP)  # b holds the image until the test lets it go
+        try:
+            owner = asyncio.ensure_future(coord.encode([image]))
+            digest = content_digest(image, MIN_PIXELS, MAX_PIXELS, coord.weights_fingerprint)
+            await wait_for(lambda: coord.pool.backlog_patches(coord.pool.encoders()[0]) > 0, what="the image in flight")
+            assert coord.cache.pending(digest) is not None
+            waiter = asyncio.ensure_future(coord.encode([image]))
+            await asyncio.sleep(0.2)
+            owner.cancel()  # e.g. the client went away
+            with pytest.raises(asyncio.CancelledError):
+                await owner
+        finally:
+            os.kill(b.pid, signal.SIGCONT)
+        result = await asyncio.wait_for(waiter, 60)  # the waiter encoded it itself
+        assert len(result.images) == 1 and not result.images[0].cached
+        assert coord.encoders()[0].backlog_patches == 0
+        assert (await coord.encode([image])).images[0].cached
+
+
+async def test_kill_9_of_an_encoder_mid_request_retries_elsewhere(pair, victim, tiny_ckpt) -> None:
+    a, _, _ = pair
+    images = [png(100 + 20 * i, 140, seed=200 + i) for i in range(8)]
+    async with coordinator(tiny_ckpt, [a.address, victim.address]) as coord:
+        await wait_for(lambda: len(coord.pool.serving()) == 2, what="both encoders serving")
+        # Freeze the victim so its share is surely still in flight, then kill it.
+        os.kill(victim.pid, signal.SIGSTOP)
+        task = asyncio.ensure_future(coord.encode(images))
+        victim_handle = next(h for h in coord.pool.encoders() if h.address == victim.address)
+        await wait_for(lambda: victim_handle.active_calls > 0, what="work assigned to the victim")
+        await asyncio.sleep(0.3)
+        victim.kill()
+        result = await asyncio.wait_for(task, 60)
+        assert result.retries > 0
+        assert metric(coord.registry, "encdis_coordinator_retries_total") == result.retries
+        assert states(coord)[victim.address] == "unhealthy"
+        # A later request goes straight to the survivor.
+        later = await coord.encode([png(60, 60, seed=300)])
+        assert len(later.images) == 1
+    with EncoderClient(a.address) as direct:
+        expected = direct.encode(images, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    for got, want in zip(result.images, expected, strict=True):
+        assert got.digest == want.digest and got.grid_thw == want.grid_thw
+        torch.testing.assert_close(got.embeds, torch.from_numpy(want.array().copy()))
+
+
+async def test_draining_encoder_leaves_the_rotation(pair, victim, tiny_ckpt, caplog) -> None:
+    a, _, _ = pair
+    caplog.set_level(logging.INFO, logger="encdis.llm_node.pool")
+    async with coordinator(tiny_ckpt, [a.address, victim.address]) as coord:
+        await wait_for(lambda: len(coord.pool.serving()) == 2, what="both encoders serving")
+        victim.terminate()  # SIGTERM: NOT_SERVING first, then it exits
+        await wait_for(lambda: states(coord)[victim.address] in ("draining", "unhealthy"), what="victim leaving")
+        assert any(f"encoder {victim.address}: serving -> draining" in r.getMessage() for r in caplog.records)
+        result = await coord.encode([png(80 + 10 * i, 80, seed=400 + i) for i in range(4)])
+        assert len(result.images) == 4
+        assert next(e for e in coord.encoders() if e.address == victim.address).assigned_images == 0
+
+
+# -- DNS -------------------------------------------------------------------------------------
+
+
+class TinyDNSServer:
+    """A UDP DNS server on 127.0.0.1 answering A queries for the names in `records`."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, list[str]] = {}
+        self.queries = 0
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.settimeout(0.1)
+        self.address = f"127.0.0.1:{self._sock.getsockname()[1]}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data, peer = self._sock.recvfrom(4096)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.queries += 1
+            query = dns.message.from_wire(data)
+            reply = dns.message.make_response(query)
+            reply.flags |= dns.flags.AA
+            q = query.question[0]
+            name = q.name.to_text().rstrip(".").lower()
+            if name not in self.records:
+                reply.set_rcode(dns.rcode.NXDOMAIN)
+            elif q.rdtype == dns.rdatatype.A and self.records[name]:
+                reply.answer.append(dns.rrset.from_text_list(q.name, 1, "IN", "A", self.records[name]))
+            self._sock.sendto(reply.to_wire(), peer)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self._sock.close()
+
+
+@pytest.fixture
+def dns_server():
+    server = TinyDNSServer()
+    yield server
+    server.close()
+
+
+async def test_resolver_asks_the_given_dns_server(dns_server) -> None:
+    dns_server.records["encoders.test"] = ["127.0.0.3", "127.0.0.2"]
+    dns_server.records["empty.test"] = []
+    resolver = Resolver(dns_server.address)
+    assert await resolver.resolve("encoders.test") == ["127.0.0.2", "127.0.0.3"]
+    assert await resolver.resolve("empty.test") == []
+    assert await resolver.resolve("missing.test") == []  # NXDOMAIN: the encoders are gone
+    assert await resolver.resolve("127.0.0.9") == ["127.0.0.9"]  # literals never hit DNS
+    dns_server.close()
+    assert await Resolver(dns_server.address, timeout=0.3).resolve("encoders.test") is None  # keep what we had
+
+
+async def test_an_address_added_to_dns_joins_and_a_removed_one_leaves(pair, tiny_ckpt, dns_server) -> None:
+    a, b, _ = pair
+    port = a.grpc_port
+    dns_server.records["encoders.test"] = ["127.0.0.2"]
+    async with coordinator(tiny_ckpt, [f"encoders.test:{port}"], dns_server=dns_server.address,
+                           dns_refresh_seconds=0.3) as coord:
+        await wait_for(lambda: states(coord) == {a.address: "serving"}, what="a serving via DNS")
+        assert coord.encoders()[0].name == f"encoders.test:{port}"
+        dns_server.records["encoders.test"] = ["127.0.0.2", "127.0.0.3"]
+        t0 = time.monotonic()
+        await wait_for(lambda: states(coord) == {a.address: "serving", b.address: "serving"}, timeout=10,
+                       what="b joining after its address appeared in DNS")
+        joined_after = time.monotonic() - t0
+        assert joined_after < 5
+        await coord.encode([png(90 + 30 * i, 120, seed=500 + i) for i in range(6)])
+        assert all(e.assigned_images > 0 for e in coord.encoders())
+        dns_server.records["encoders.test"] = ["127.0.0.3"]
+        await wait_for(lambda: set(states(coord)) == {b.address}, timeout=10, what="a leaving the pool")
+        assigned = "encdis_coordinator_assignments_total"
+        assert coord.registry.get_sample_value(assigned, {"encoder": a.address}) is None  # its series is gone
+        assert metric(coord.registry, assigned, encoder=b.address) > 0
+        result = await coord.encode([png(64, 64, seed=600)])
+        assert len(result.images) == 1
+        dns_server.records["encoders.test"] = []  # scaled to zero
+        await wait_for(lambda: not coord.encoders(), timeout=10, what="the pool emptying")
+        with pytest.raises(Unavailable) as info:
+            await coord.encode([png(64, 64, seed=601)])
+        assert f"encoders.test:{port} resolves to no address" in info.value.message

@@ -1,0 +1,58 @@
+"""The coordinator's wiring into the LLM node: settings, checkpoint identity, error numbering.
+
+No servers: these check what the LLM node hands the coordinator and what the coordinator
+makes of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from encdis.client.errors import InvalidArgument, Unavailable
+from encdis.llm_node import settings as llm_settings
+from encdis.llm_node.coordinator import Coordinator, CoordinatorSettings, _identity, _Job, _request_numbering
+
+from encdis.checkpoint import read_processor_config, text_hidden_size, weights_fingerprint
+
+
+def test_settings_come_from_the_llm_nodes_flags_and_environment() -> None:
+    parser = argparse.ArgumentParser()
+    llm_settings.add_arguments(parser, environ={"ENCDIS_MAX_RETRIES": "5", "ENCDIS_CACHE_BYTES": "1024"})
+    args = parser.parse_args(["--model", "/m", "--encoders", "enc.svc:50051,10.0.0.2:50051",
+                              "--dns-server", "127.0.0.1:5353", "--dns-refresh-seconds", "2"])
+    s = CoordinatorSettings.from_settings(llm_settings.from_args(args))
+    assert s.encoders == ("enc.svc:50051", "10.0.0.2:50051")
+    assert (s.dns_server, s.dns_refresh_seconds, s.max_retries, s.cache_bytes) == ("127.0.0.1:5353", 2.0, 5, 1024)
+    assert s.encode_timeout_seconds == llm_settings.LLMSettings(model="/m").encode_timeout_seconds
+
+
+def test_identity_is_the_checkpoints(tiny_ckpt) -> None:
+    coord = Coordinator.from_checkpoint(CoordinatorSettings(), None, tiny_ckpt)
+    ident = coord.identity
+    assert ident.weights_fingerprint == weights_fingerprint(tiny_ckpt)
+    assert ident.hidden_size == text_hidden_size(tiny_ckpt)
+    processor = read_processor_config(tiny_ckpt)
+    assert (ident.min_pixels, ident.max_pixels) == (processor["min_pixels"], processor["max_pixels"])
+
+
+def test_new_style_processor_bounds_are_read() -> None:
+    ident = _identity("f", 128, {"size": {"shortest_edge": 3136, "longest_edge": 12845056}, "patch_size": 14})
+    assert (ident.min_pixels, ident.max_pixels) == (3136, 12845056)
+    with pytest.raises(ValueError, match="min_pixels"):
+        _identity("f", 128, {"patch_size": 14})
+
+
+def test_encoder_errors_are_renumbered_to_the_request() -> None:
+    jobs = [_Job(index=3, digest="a", patches=64), _Job(index=5, digest="b", patches=64)]
+    err = _request_numbering(InvalidArgument("image 1: cannot decode PNG: truncated"), jobs)
+    assert err.message == "image 5: cannot decode PNG: truncated"
+    err = _request_numbering(InvalidArgument("min_pixels 1 is outside [3136, 200704]"), jobs[:1])
+    assert err.message.startswith("image 3: ")
+
+
+async def test_encode_before_start_is_unavailable(tiny_ckpt) -> None:
+    coord = Coordinator.from_checkpoint(CoordinatorSettings(), None, tiny_ckpt)
+    with pytest.raises(Unavailable):
+        await coord.encode([b"x"])
+    assert coord.encoders() == []
