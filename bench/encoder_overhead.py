@@ -59,11 +59,10 @@ class InProcess:
     """The node's own preprocessing and tower, called directly in this process."""
 
     def __init__(self, model: Path, device: str, dtype: str) -> None:
+        from encdis.checkpoint import weights_fingerprint
         from encdis.encoder_node.preprocess import ImagePreprocessor
         from encdis.encoder_node.settings import EncoderSettings
         from encdis.encoder_node.tower import VisionTower
-
-        from encdis.checkpoint import weights_fingerprint
 
         s = EncoderSettings(model=model, device=device, dtype=dtype)
         self.tower = VisionTower(model, device=device, dtype=s.torch_dtype_name)

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+
 from encdis.client.encoder_client import EncoderClient
 from encdis.client.errors import EncdisError
 from encdis.client.wire import Embedding

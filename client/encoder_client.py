@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+
 from encdis.client.errors import from_rpc_error
 from encdis.client.pb import encoder_pb2, encoder_pb2_grpc
 from encdis.client.wire import Embedding, StreamDecoder

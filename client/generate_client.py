@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+
 from encdis.client.errors import from_rpc_error
 from encdis.client.pb import llm_pb2, llm_pb2_grpc
 

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
+
 from encdis.client.errors import WireError
 from encdis.client.pb import encoder_pb2
 

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+
 from encdis.client.errors import ResourceExhausted, Unavailable
 from encdis.client.wire import BatchInfo
 from encdis.encoder_node.metrics import EncoderMetrics

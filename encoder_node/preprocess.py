@@ -15,11 +15,12 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-from encdis.client.errors import InvalidArgument
-from encdis.client.wire import content_digest
 from PIL import Image
 from transformers import AutoImageProcessor
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+from encdis.client.errors import InvalidArgument
+from encdis.client.wire import content_digest
 
 # What PIL may open. Anything else (EPS, PSD, SVG, ...) is refused before decoding.
 ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")

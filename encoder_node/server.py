@@ -14,6 +14,8 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+
+from encdis.checkpoint import weights_fingerprint
 from encdis.client.pb import encoder_pb2, encoder_pb2_grpc
 from encdis.encoder_node.batcher import Batcher
 from encdis.encoder_node.metrics import EncoderMetrics
@@ -21,8 +23,6 @@ from encdis.encoder_node.preprocess import ImagePreprocessor
 from encdis.encoder_node.servicer import EncoderServicer, LoadedModel
 from encdis.encoder_node.settings import EncoderSettings
 from encdis.encoder_node.tower import VisionTower
-
-from encdis.checkpoint import weights_fingerprint
 from encdis.serving import (
     ErrorMappingInterceptor,
     add_health_and_reflection,

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import grpc
 import torch
+
+import encdis
 from encdis.client.errors import EncdisError, InvalidArgument, ResourceExhausted, Unavailable
 from encdis.client.pb import encoder_pb2, encoder_pb2_grpc
 from encdis.client.wire import embedding_messages
@@ -28,8 +30,6 @@ from encdis.encoder_node.metrics import EncoderMetrics
 from encdis.encoder_node.preprocess import ImagePreprocessor
 from encdis.encoder_node.settings import EncoderSettings
 from encdis.encoder_node.tower import VisionTower
-
-import encdis
 
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 # Smallest chunk a caller may ask for: tiny chunks would only multiply messages.

@@ -43,6 +43,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
 from encdis.client.errors import (
     EncdisError,
     FailedPrecondition,
@@ -52,7 +54,6 @@ from encdis.client.errors import (
     WireError,
 )
 from encdis.client.wire import Embedding, content_digest
-from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from .embedding_cache import CachedEmbedding, ClaimAbandoned, EmbeddingCache
 from .pool import EncoderHandle, EncoderPool, EncoderState, ModelIdentity, states_count

@@ -29,9 +29,10 @@ from enum import Enum
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from encdis.client.encoder_client import CHANNEL_OPTIONS, AsyncEncoderClient, EncoderDescription
 from encdis.client.errors import EncdisError
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .assignment import Backlog, EncoderLoad
 from .dns_resolver import Resolver, is_ip_literal, join_host_port, split_host_port

@@ -13,15 +13,15 @@ import asyncio
 import logging
 
 import grpc
+from prometheus_client import CollectorRegistry
+
+from encdis import serving
 from encdis.client.pb import llm_pb2, llm_pb2_grpc
 from encdis.llm_node.engine import EngineHost
 from encdis.llm_node.metrics import LLMNodeMetrics
 from encdis.llm_node.prompt import PromptRenderer
 from encdis.llm_node.servicer import GenerateServicer
 from encdis.llm_node.settings import LLMSettings
-from prometheus_client import CollectorRegistry
-
-from encdis import serving
 
 log = logging.getLogger(__name__)
 

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+
 from encdis.client.errors import InvalidArgument, Unavailable
 from encdis.client.pb import llm_pb2, llm_pb2_grpc
 from encdis.llm_node.engine import EngineHost, ImageEmbedding, SamplingSpec

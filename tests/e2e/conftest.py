@@ -21,9 +21,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from encdis.llm_node.demo import synthetic_photo
 from encdis.llm_node.reference import Case
-
 from tests.nodes import NodeProcess, start_node
 
 MAX_TOKENS = 16

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from encdis.client import GenerateClient
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from encdis.client import GenerateClient
 from tests.nodes import NodeProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]

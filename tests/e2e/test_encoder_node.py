@@ -12,9 +12,9 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
-from encdis.client import EncoderClient, Unavailable
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from encdis.client import EncoderClient, Unavailable
 from tests import encoder_images as images
 from tests.nodes import start_node
 

@@ -14,8 +14,8 @@ import subprocess
 import sys
 
 import pytest
-from encdis.client import AsyncGenerateClient, GenerateClient, InvalidArgument
 
+from encdis.client import AsyncGenerateClient, GenerateClient, InvalidArgument
 from tests.e2e.conftest import concurrent_cases
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from encdis.client import AsyncGenerateClient, GenerateClient
 from encdis.client.errors import Unavailable
 from encdis.llm_node.demo import synthetic_photo
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from tests.e2e.conftest import concurrent_cases
 from tests.integration.test_coordinator import TinyDNSServer
 from tests.nodes import NodeProcess, start_node

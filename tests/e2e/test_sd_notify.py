@@ -25,11 +25,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from encdis.client.encoder_client import EncoderClient
-from encdis.client.pb import encoder_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 
+from encdis.client.encoder_client import EncoderClient
+from encdis.client.pb import encoder_pb2
 from tests.nodes import NodeProcess
 
 ENCODER_SERVICE = encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name

@@ -29,14 +29,14 @@ import dns.rrset
 import numpy as np
 import pytest
 import torch
+from PIL import Image
+from prometheus_client import CollectorRegistry
+
 from encdis.client.encoder_client import EncoderClient
 from encdis.client.errors import InvalidArgument, Unavailable
 from encdis.client.wire import content_digest
 from encdis.llm_node.coordinator import Coordinator, CoordinatorSettings
 from encdis.llm_node.dns_resolver import Resolver
-from PIL import Image
-from prometheus_client import CollectorRegistry
-
 from tests.nodes import NodeProcess
 
 # The tiny checkpoint's processor bounds, sent explicitly so digests match the coordinator's.

@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 
 import pytest
+
+from encdis.checkpoint import read_processor_config, text_hidden_size, weights_fingerprint
 from encdis.client.errors import InvalidArgument, Unavailable
 from encdis.llm_node import settings as llm_settings
 from encdis.llm_node.coordinator import Coordinator, CoordinatorSettings, _identity, _Job, _request_numbering
-
-from encdis.checkpoint import read_processor_config, text_hidden_size, weights_fingerprint
 
 
 def test_settings_come_from_the_llm_nodes_flags_and_environment() -> None:

@@ -6,10 +6,10 @@ import asyncio
 
 import numpy as np
 import pytest
+
 from encdis.client.errors import ResourceExhausted
 from encdis.encoder_node.batcher import Batcher
 from encdis.encoder_node.metrics import EncoderMetrics
-
 from tests import encoder_images as images
 
 pytest.importorskip("torch")

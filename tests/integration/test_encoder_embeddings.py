@@ -12,11 +12,11 @@ import shutil
 
 import numpy as np
 import pytest
+
+from encdis.checkpoint import visual_shards, weights_fingerprint
 from encdis.client import EncoderClient
 from encdis.client.wire import content_digest
 from encdis.encoder_node.settings import EncoderSettings
-
-from encdis.checkpoint import visual_shards, weights_fingerprint
 from tests import encoder_images as images
 from tests.encoder_inproc import InProcessEncoder
 
@@ -153,10 +153,11 @@ def test_pixels_equal_what_vllms_own_processor_feeds_its_tower(tiny_ckpt):
     mm_device_do_normalize (its default), skips rescale/normalize on the host and applies them on
     device. Our pixels must be exactly those, normalized: same class, same grid, same values."""
     pytest.importorskip("vllm")
-    from encdis.encoder_node.preprocess import ImagePreprocessor
     from PIL import Image
     from transformers import Qwen2_5_VLProcessor
     from vllm.transformers_utils.processor import get_processor
+
+    from encdis.encoder_node.preprocess import ImagePreprocessor
 
     vllm_proc = get_processor(str(tiny_ckpt), processor_cls=Qwen2_5_VLProcessor).image_processor
     ours = ImagePreprocessor(tiny_ckpt, weights_fingerprint="fp", max_image_bytes=1 << 25, max_image_pixels=1 << 26)

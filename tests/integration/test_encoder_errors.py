@@ -9,10 +9,10 @@ import time
 
 import grpc
 import pytest
-from encdis.client import EncoderClient, InvalidArgument, ResourceExhausted, Unavailable
-from encdis.encoder_node.settings import EncoderSettings
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from encdis.client import EncoderClient, InvalidArgument, ResourceExhausted, Unavailable
+from encdis.encoder_node.settings import EncoderSettings
 from tests import encoder_images as images
 from tests.encoder_inproc import InProcessEncoder
 

@@ -12,6 +12,7 @@ import io
 from pathlib import Path
 
 import pytest
+
 from encdis.llm_node.demo import synthetic_photo
 from encdis.llm_node.engine import EngineHost, ImageEmbedding, SamplingSpec, engine_kwargs
 from encdis.llm_node.prompt import PromptRenderer

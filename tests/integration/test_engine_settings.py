@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+
 from encdis.llm_node import settings as llm_settings
 
 

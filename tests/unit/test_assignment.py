@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from encdis.llm_node.assignment import Backlog, EncoderLoad, assign
 from encdis.llm_node.cost_model import CostModel
 

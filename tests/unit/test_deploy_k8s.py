@@ -18,9 +18,9 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-from encdis.client.pb import encoder_pb2, llm_pb2
 
 from encdis.cli import build_parser
+from encdis.client.pb import encoder_pb2, llm_pb2
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 DOCKERFILE = K8S.parent / "Dockerfile"

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 import torch
+
 from encdis.llm_node.embedding_cache import CachedEmbedding, ClaimAbandoned, EmbeddingCache
 
 

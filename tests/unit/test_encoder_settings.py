@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+
 from encdis.encoder_node import settings as s
 
 

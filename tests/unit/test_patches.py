@@ -6,8 +6,9 @@ import io
 
 import numpy as np
 import pytest
-from encdis.llm_node.patches import grid_for_image, image_size_from_header, patches_for_image
 from PIL import Image
+
+from encdis.llm_node.patches import grid_for_image, image_size_from_header, patches_for_image
 
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 256  # the tiny checkpoint's processor bounds
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
 from encdis.client.encoder_client import EncoderDescription
 from encdis.llm_node.dns_resolver import Resolver, is_ip_literal, join_host_port, split_host_port
 from encdis.llm_node.pool import ModelIdentity, refusal_reason

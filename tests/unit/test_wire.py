@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from encdis.client.errors import WireError
 from encdis.client.pb import encoder_pb2
 from encdis.client.wire import (
