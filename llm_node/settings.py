@@ -32,7 +32,7 @@ class LLMSettings:
     max_model_len: int = 4096
     dtype: str = "auto"  # "auto": float32 on CPU, the checkpoint's dtype otherwise
     cache_bytes: int = 256 * 1024 * 1024  # embedding cache (LRU by bytes); 0 disables
-    max_retries: int = 2  # re-sends of one image to another encoder after a failure
+    max_retries: int = 3  # re-sends of one image to another encoder after a failure
     drain_grace_seconds: float = 30.0
     max_num_seqs: int = 16
     kv_cache_gib: float = 1.0  # CPU only: VLLM_CPU_KVCACHE_SPACE when not already set
@@ -41,6 +41,10 @@ class LLMSettings:
     max_images_per_request: int = 16
     max_image_bytes: int = 32 * 1024 * 1024
     encode_timeout_seconds: float = 120.0
+    # A request finding no serving encoder waits this long for encoders still connecting or
+    # being re-checked after a failure, then fails with UNAVAILABLE.
+    encoder_wait_seconds: float = 10.0
+    describe_timeout_seconds: float = 10.0
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -102,6 +106,9 @@ def add_arguments(p: argparse.ArgumentParser, environ: Mapping[str, str] | None 
     _add(p, "--max-images-per-request", int, d.max_images_per_request, "images allowed in one request", env)
     _add(p, "--max-image-bytes", int, d.max_image_bytes, "largest encoded image accepted", env)
     _add(p, "--encode-timeout-seconds", float, d.encode_timeout_seconds, "deadline of one Encode call", env)
+    _add(p, "--encoder-wait-seconds", float, d.encoder_wait_seconds,
+         "how long a request waits for an encoder to become usable before UNAVAILABLE", env)
+    _add(p, "--describe-timeout-seconds", float, d.describe_timeout_seconds, "deadline of an encoder's Describe", env)
 
 
 def from_args(args: argparse.Namespace) -> LLMSettings:
@@ -128,4 +135,6 @@ def from_args(args: argparse.Namespace) -> LLMSettings:
         max_images_per_request=args.max_images_per_request,
         max_image_bytes=args.max_image_bytes,
         encode_timeout_seconds=args.encode_timeout_seconds,
+        encoder_wait_seconds=args.encoder_wait_seconds,
+        describe_timeout_seconds=args.describe_timeout_seconds,
     )

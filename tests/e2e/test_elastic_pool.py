@@ -32,6 +32,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from encdis.client import GenerateClient
+from tests.dns_server import LoopbackDNS
 from tests.nodes import NodeProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
@@ -45,70 +46,6 @@ DRAIN_GRACE_SECONDS = 20
 # Requests with several images of different sizes, so each one spreads over the encoders.
 LOAD_CASES = ("three_images", "c6_four", "three_images_reordered", "c3_small_large")
 CLIENTS = 2
-
-
-class LoopbackDNS:
-    """An authoritative UDP DNS server on 127.0.0.1 for one name; its A records can change."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name.lower().rstrip(".")
-        self._addresses: list[str] = []
-        self._lock = threading.Lock()
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.settimeout(0.2)
-        self.port = self.sock.getsockname()[1]
-        self.queries = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="loopback-dns", daemon=True)
-        self._thread.start()
-
-    def set_addresses(self, addresses: list[str]) -> None:
-        with self._lock:
-            self._addresses = list(addresses)
-
-    def _answer(self, data: bytes) -> bytes:
-        # dnspython: the LLM node's own resolver library (the [llm] extra).
-        import dns.flags
-        import dns.message
-        import dns.rcode
-        import dns.rdataclass
-        import dns.rdatatype
-        import dns.rrset
-
-        query = dns.message.from_wire(data)
-        response = dns.message.make_response(query)
-        response.flags |= dns.flags.AA
-        question = query.question[0]
-        if question.name.to_text(omit_final_dot=True).lower() != self.name:
-            response.set_rcode(dns.rcode.NXDOMAIN)
-        elif question.rdtype == dns.rdatatype.A:
-            with self._lock:
-                addresses = list(self._addresses)
-            if addresses:  # TTL 0: nobody may cache the pool
-                response.answer.append(dns.rrset.from_text_list(question.name, 0, dns.rdataclass.IN,
-                                                                dns.rdatatype.A, addresses))
-        # Any other type (AAAA): the name exists but has no such records (NOERROR, empty).
-        return response.to_wire()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                data, peer = self.sock.recvfrom(4096)
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            self.queries += 1
-            try:
-                self.sock.sendto(self._answer(data), peer)
-            except Exception:  # noqa: BLE001 - a malformed query must not stop the server
-                continue
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.sock.close()
 
 
 def free_port_on_all(ips: tuple[str, ...]) -> int:
@@ -244,7 +181,7 @@ class CoordinatorView:
 
 @pytest.fixture(scope="module")
 def dns_server() -> Iterator[LoopbackDNS]:
-    server = LoopbackDNS(DNS_NAME)
+    server = LoopbackDNS()
     yield server
     server.close()
 
@@ -253,7 +190,7 @@ def dns_server() -> Iterator[LoopbackDNS]:
 def pool(tiny_ckpt: Path, dns_server: LoopbackDNS) -> Iterator[tuple[NodeProcess, list[NodeProcess]]]:
     """Three encoders (127.0.0.1-3, one port) and an LLM node that knows them only by DNS name."""
     port = free_port_on_all(ENCODER_IPS)
-    dns_server.set_addresses([ENCODER_IPS[0]])
+    dns_server.set_addresses(DNS_NAME, [ENCODER_IPS[0]])
     started: list[NodeProcess] = []
     try:
         # Started together (the machine loads them while vLLM starts); only the first is in DNS.
@@ -264,7 +201,7 @@ def pool(tiny_ckpt: Path, dns_server: LoopbackDNS) -> Iterator[tuple[NodeProcess
         started += encoders
         llm = NodeProcess(["llm", "--model", str(tiny_ckpt), "--host", "127.0.0.1", "--port", "0",
                            "--metrics-port", "0", "--encoders", f"{DNS_NAME}:{port}",
-                           "--dns-server", f"127.0.0.1:{dns_server.port}",
+                           "--dns-server", dns_server.address,
                            "--dns-refresh-seconds", str(DNS_REFRESH_SECONDS), "--cache-bytes", "0"])
         started.append(llm)
         for node in encoders:
@@ -294,7 +231,7 @@ def test_pool_grows_and_shrinks_under_load_without_failures(monolithic, equality
 
         # Phase 2: two encoders join the name; they get work within seconds.
         appeared = time.monotonic()
-        dns_server.set_addresses(list(ENCODER_IPS))
+        dns_server.set_addresses(DNS_NAME, list(ENCODER_IPS))
         joined: dict[str, float] = {}
         while len(joined) < 2 and time.monotonic() - appeared < 60:
             for node in (added_a, added_b):
@@ -315,7 +252,7 @@ def test_pool_grows_and_shrinks_under_load_without_failures(monolithic, equality
         assert watcher.not_serving_at is not None
         drained_at = time.monotonic()
         # Kubernetes removes a terminating pod from the Service; here after it has exited.
-        dns_server.set_addresses([ENCODER_IPS[0], ENCODER_IPS[2]])
+        dns_server.set_addresses(DNS_NAME, [ENCODER_IPS[0], ENCODER_IPS[2]])
         still = [images_encoded(first), images_encoded(added_b)]
         load.wait_completed_after(drained_at, 6, timeout=120)
         # The remaining encoders carried the load.

@@ -28,8 +28,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from encdis.client import AsyncGenerateClient, GenerateClient
 from encdis.client.errors import Unavailable
 from encdis.llm_node.demo import synthetic_photo
+from tests.dns_server import LoopbackDNS
 from tests.e2e.conftest import concurrent_cases
-from tests.integration.test_coordinator import TinyDNSServer
 from tests.nodes import NodeProcess, start_node
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
@@ -43,7 +43,7 @@ class Rig:
     good: NodeProcess
     victim: NodeProcess
     other: NodeProcess
-    dns: TinyDNSServer
+    dns: LoopbackDNS
 
 
 def scrape(node: NodeProcess, name: str) -> float:
@@ -68,9 +68,9 @@ def wait_until(predicate, timeout: float, what: str) -> None:
 
 @pytest.fixture(scope="module")
 def rig(tiny_ckpt: Path, other_ckpt: Path, encoder_nodes: list[NodeProcess]) -> Iterator[Rig]:
-    dns = TinyDNSServer()
+    dns = LoopbackDNS()
     good = encoder_nodes[0]
-    dns.records[GOOD_NAME] = [good.host]
+    dns.set_addresses(GOOD_NAME, [good.host])
     started: list[NodeProcess] = []
     try:
         victim = NodeProcess(["encoder", "--model", str(tiny_ckpt), "--host", "127.0.0.1", "--port", "0",
@@ -163,7 +163,7 @@ def test_no_usable_encoder_fails_with_unavailable_and_the_node_keeps_serving(rig
                                                                              equality_cases):
     if rig.victim.proc.poll() is None:
         rig.victim.kill()
-    del rig.dns.records[GOOD_NAME]  # the good encoder leaves the pool: only the refused one is left
+    rig.dns.remove(GOOD_NAME)  # the good encoder leaves the pool: only the refused one is left
     wait_until(lambda: rig.good.address not in encoders_by_address(rig.llm), 30, "the good encoder leaving")
     image = synthetic_photo(150, 150, seed=777)
     with GenerateClient(rig.llm.address, timeout=120) as client:
@@ -178,7 +178,7 @@ def test_no_usable_encoder_fails_with_unavailable_and_the_node_keeps_serving(rig
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         assert len(client.generate("Count from one to ten.", [], max_tokens=4, ignore_eos=True).token_ids) == 4
     # The encoder comes back (DNS lists it again): image requests work again, outputs unchanged.
-    rig.dns.records[GOOD_NAME] = [rig.good.host]
+    rig.dns.set_addresses(GOOD_NAME, [rig.good.host])
     wait_until(lambda: getattr(encoders_by_address(rig.llm).get(rig.good.address), "state", "") == "serving",
                30, "the good encoder rejoining")
     case = equality_cases["one_image"]

@@ -16,16 +16,10 @@ import os
 import re
 import signal
 import socket
-import threading
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Sequence
 
-import dns.flags
-import dns.message
-import dns.rcode
-import dns.rdatatype
-import dns.rrset
 import numpy as np
 import pytest
 import torch
@@ -37,6 +31,7 @@ from encdis.client.errors import InvalidArgument, Unavailable
 from encdis.client.wire import content_digest
 from encdis.llm_node.coordinator import Coordinator, CoordinatorSettings
 from encdis.llm_node.dns_resolver import Resolver
+from tests.dns_server import LoopbackDNS
 from tests.nodes import NodeProcess
 
 # The tiny checkpoint's processor bounds, sent explicitly so digests match the coordinator's.
@@ -288,56 +283,16 @@ async def test_draining_encoder_leaves_the_rotation(pair, victim, tiny_ckpt, cap
 # -- DNS -------------------------------------------------------------------------------------
 
 
-class TinyDNSServer:
-    """A UDP DNS server on 127.0.0.1 answering A queries for the names in `records`."""
-
-    def __init__(self) -> None:
-        self.records: dict[str, list[str]] = {}
-        self.queries = 0
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self._sock.bind(("127.0.0.1", 0))
-        self._sock.settimeout(0.1)
-        self.address = f"127.0.0.1:{self._sock.getsockname()[1]}"
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                data, peer = self._sock.recvfrom(4096)
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            self.queries += 1
-            query = dns.message.from_wire(data)
-            reply = dns.message.make_response(query)
-            reply.flags |= dns.flags.AA
-            q = query.question[0]
-            name = q.name.to_text().rstrip(".").lower()
-            if name not in self.records:
-                reply.set_rcode(dns.rcode.NXDOMAIN)
-            elif q.rdtype == dns.rdatatype.A and self.records[name]:
-                reply.answer.append(dns.rrset.from_text_list(q.name, 1, "IN", "A", self.records[name]))
-            self._sock.sendto(reply.to_wire(), peer)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        self._sock.close()
-
-
 @pytest.fixture
 def dns_server():
-    server = TinyDNSServer()
+    server = LoopbackDNS()
     yield server
     server.close()
 
 
 async def test_resolver_asks_the_given_dns_server(dns_server) -> None:
-    dns_server.records["encoders.test"] = ["127.0.0.3", "127.0.0.2"]
-    dns_server.records["empty.test"] = []
+    dns_server.set_addresses("encoders.test", ["127.0.0.3", "127.0.0.2"])
+    dns_server.set_addresses("empty.test", [])
     resolver = Resolver(dns_server.address)
     assert await resolver.resolve("encoders.test") == ["127.0.0.2", "127.0.0.3"]
     assert await resolver.resolve("empty.test") == []
@@ -350,12 +305,12 @@ async def test_resolver_asks_the_given_dns_server(dns_server) -> None:
 async def test_an_address_added_to_dns_joins_and_a_removed_one_leaves(pair, tiny_ckpt, dns_server) -> None:
     a, b, _ = pair
     port = a.grpc_port
-    dns_server.records["encoders.test"] = ["127.0.0.2"]
+    dns_server.set_addresses("encoders.test", ["127.0.0.2"])
     async with coordinator(tiny_ckpt, [f"encoders.test:{port}"], dns_server=dns_server.address,
                            dns_refresh_seconds=0.3) as coord:
         await wait_for(lambda: states(coord) == {a.address: "serving"}, what="a serving via DNS")
         assert coord.encoders()[0].name == f"encoders.test:{port}"
-        dns_server.records["encoders.test"] = ["127.0.0.2", "127.0.0.3"]
+        dns_server.set_addresses("encoders.test", ["127.0.0.2", "127.0.0.3"])
         t0 = time.monotonic()
         await wait_for(lambda: states(coord) == {a.address: "serving", b.address: "serving"}, timeout=10,
                        what="b joining after its address appeared in DNS")
@@ -363,14 +318,14 @@ async def test_an_address_added_to_dns_joins_and_a_removed_one_leaves(pair, tiny
         assert joined_after < 5
         await coord.encode([png(90 + 30 * i, 120, seed=500 + i) for i in range(6)])
         assert all(e.assigned_images > 0 for e in coord.encoders())
-        dns_server.records["encoders.test"] = ["127.0.0.3"]
+        dns_server.set_addresses("encoders.test", ["127.0.0.3"])
         await wait_for(lambda: set(states(coord)) == {b.address}, timeout=10, what="a leaving the pool")
         assigned = "encdis_coordinator_assignments_total"
         assert coord.registry.get_sample_value(assigned, {"encoder": a.address}) is None  # its series is gone
         assert metric(coord.registry, assigned, encoder=b.address) > 0
         result = await coord.encode([png(64, 64, seed=600)])
         assert len(result.images) == 1
-        dns_server.records["encoders.test"] = []  # scaled to zero
+        dns_server.set_addresses("encoders.test", [])  # scaled to zero
         await wait_for(lambda: not coord.encoders(), timeout=10, what="the pool emptying")
         with pytest.raises(Unavailable) as info:
             await coord.encode([png(64, 64, seed=601)])
