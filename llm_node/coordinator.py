@@ -189,6 +189,9 @@ class Coordinator:
         self.metrics = _Metrics(registry if registry is not None else CollectorRegistry())
         self.cache = EmbeddingCache(self.settings.cache_bytes)
         self.pool: EncoderPool | None = None
+        # Idle encoders tie on predicted finish and assign() then picks the first: rotating
+        # the candidates' order per dispatch spreads ties instead of favouring one encoder.
+        self._rotation = 0
 
     @classmethod
     def from_checkpoint(cls, settings: Any, registry: CollectorRegistry | None,
@@ -345,6 +348,9 @@ class Coordinator:
         while remaining:
             routable = await self._routable(timing, failures)
             candidates = [h for h in routable if h.address not in excluded] or routable
+            self._rotation += 1
+            shift = self._rotation % len(candidates)
+            candidates = candidates[shift:] + candidates[:shift]
             order = sorted(remaining.values(), key=lambda j: j.index)
             picks = assign([j.patches for j in order], self.pool.loads(candidates))
             groups: dict[int, list[_Job]] = {}
