@@ -11,12 +11,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -77,6 +78,39 @@ def _wrap_stream(behavior, method: str):
             await _abort_for(e, context, method)
 
     return wrapper
+
+
+class InFlight:
+    """Calls in progress, so a drain can wait for them; mirrored in a gauge when given one."""
+
+    def __init__(self, gauge=None) -> None:
+        self.count = 0
+        self._gauge = gauge
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        self.count += 1
+        self._idle.clear()
+        if self._gauge is not None:
+            self._gauge.inc()
+        try:
+            yield
+        finally:
+            if self._gauge is not None:
+                self._gauge.dec()
+            self.count -= 1
+            if self.count == 0:
+                self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True once no call is in progress, False if `timeout` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
 
 
 class HealthState:

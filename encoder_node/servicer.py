@@ -30,6 +30,7 @@ from encdis.encoder_node.metrics import EncoderMetrics
 from encdis.encoder_node.preprocess import ImagePreprocessor
 from encdis.encoder_node.settings import EncoderSettings
 from encdis.encoder_node.tower import VisionTower
+from encdis.serving import InFlight
 
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 # Smallest chunk a caller may ask for: tiny chunks would only multiply messages.
@@ -65,9 +66,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self.metrics = metrics
         self._model: LoadedModel | None = None
         self._draining = False
-        self._inflight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._calls = InFlight(metrics.inflight_requests)
 
     # ---- lifecycle (called by server.py)
 
@@ -80,15 +79,11 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
 
     async def wait_idle(self, timeout: float) -> bool:
         """True once no Encode call is in progress, False if `timeout` passed first."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-            return True
-        except asyncio.TimeoutError:
-            return False
+        return await self._calls.wait_idle(timeout)
 
     @property
     def inflight(self) -> int:
-        return self._inflight
+        return self._calls.count
 
     def _ready_model(self) -> LoadedModel:
         if self._draining:
@@ -128,34 +123,28 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
 
     async def Encode(self, request: encoder_pb2.EncodeRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[encoder_pb2.EncodeResponse]:
-        if self._inflight >= self.settings.max_concurrent_rpcs:
+        if self._calls.count >= self.settings.max_concurrent_rpcs:
             # Counted here rather than by gRPC's own limit, so health probes and watches are never refused.
             self.metrics.requests.labels(code="RESOURCE_EXHAUSTED").inc()
             raise ResourceExhausted(
-                f"{self._inflight} Encode calls in progress, the limit is {self.settings.max_concurrent_rpcs}"
+                f"{self._calls.count} Encode calls in progress, the limit is {self.settings.max_concurrent_rpcs}"
             )
         code = "OK"
-        self._inflight += 1
-        self._idle.clear()
-        self.metrics.inflight_requests.inc()
-        try:
-            async for msg in self._encode(request):
-                yield msg
-        except EncdisError as e:
-            code = e.code.name
-            raise
-        except (asyncio.CancelledError, GeneratorExit):
-            code = "CANCELLED"
-            raise
-        except Exception:
-            code = "INTERNAL"
-            raise
-        finally:
-            self.metrics.requests.labels(code=code).inc()
-            self.metrics.inflight_requests.dec()
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._idle.set()
+        with self._calls.track():
+            try:
+                async for msg in self._encode(request):
+                    yield msg
+            except EncdisError as e:
+                code = e.code.name
+                raise
+            except (asyncio.CancelledError, GeneratorExit):
+                code = "CANCELLED"
+                raise
+            except Exception:
+                code = "INTERNAL"
+                raise
+            finally:
+                self.metrics.requests.labels(code=code).inc()
 
     async def _encode(self, request: encoder_pb2.EncodeRequest) -> AsyncIterator[encoder_pb2.EncodeResponse]:
         model = self._ready_model()

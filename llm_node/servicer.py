@@ -23,6 +23,7 @@ from encdis.llm_node.engine import EngineHost, ImageEmbedding, SamplingSpec
 from encdis.llm_node.metrics import LLMNodeMetrics
 from encdis.llm_node.prompt import PromptRenderer
 from encdis.llm_node.settings import LLMSettings
+from encdis.serving import InFlight
 
 log = logging.getLogger(__name__)
 
@@ -75,41 +76,29 @@ class GenerateServicer(llm_pb2_grpc.GenerateServiceServicer):
         self.renderer = renderer
         self.metrics = metrics
         self.draining = False
-        self._in_flight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._calls = InFlight(metrics.in_flight)
 
     async def wait_idle(self, timeout: float) -> bool:
         """True when no Generate is in flight (within `timeout`)."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-            return True
-        except asyncio.TimeoutError:
-            return False
+        return await self._calls.wait_idle(timeout)
 
     async def Generate(self, request: llm_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[llm_pb2.GenerateResponse]:
         if self.draining:
             raise Unavailable("the LLM node is draining; send the request to another node")
-        self._in_flight += 1
-        self._idle.clear()
-        self.metrics.in_flight.inc()
         code = "OK"
-        try:
-            async for msg in self._generate(request):
-                yield msg
-        except asyncio.CancelledError:
-            code = "CANCELLED"
-            raise
-        except Exception as e:
-            code = getattr(getattr(e, "code", None), "name", "INTERNAL")
-            raise
-        finally:
-            self.metrics.requests.labels(code).inc()
-            self.metrics.in_flight.dec()
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self._idle.set()
+        with self._calls.track():
+            try:
+                async for msg in self._generate(request):
+                    yield msg
+            except asyncio.CancelledError:
+                code = "CANCELLED"
+                raise
+            except Exception as e:
+                code = getattr(getattr(e, "code", None), "name", "INTERNAL")
+                raise
+            finally:
+                self.metrics.requests.labels(code).inc()
 
     async def _generate(self, req: llm_pb2.GenerateRequest) -> AsyncIterator[llm_pb2.GenerateResponse]:
         t_start = time.monotonic()
