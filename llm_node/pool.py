@@ -20,7 +20,6 @@ refused (model mismatch).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -169,9 +168,7 @@ class EncoderPool:
     async def stop(self) -> None:
         self._stopped = True
         if self._refresh_task is not None:
-            self._refresh_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresh_task
+            await _cancel_and_wait(self._refresh_task)
         for h in list(self._handles.values()):
             await self._remove(h)
 
@@ -308,9 +305,7 @@ class EncoderPool:
         del self._handles[h.address]
         self._backlog.forget(h.address)
         if h._task is not None:
-            h._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await h._task
+            await _cancel_and_wait(h._task)
         await h.channel.close()
         if not self._stopped:
             log.info("encoder %s left the pool", h.address)
@@ -408,6 +403,17 @@ class EncoderPool:
         finally:
             call.cancel()
         return got_answer
+
+
+async def _cancel_and_wait(task: asyncio.Task) -> None:
+    """Cancel `task` and wait until it has finished.
+
+    Not `with suppress(CancelledError): await task`: that would also swallow a cancellation
+    of the *caller* arriving meanwhile (e.g. stop() cancelling the refresh loop while it
+    removes an encoder), and the caller would then run on forever.
+    """
+    task.cancel()
+    await asyncio.wait({task})
 
 
 def _describe_error(exc: BaseException) -> str:
