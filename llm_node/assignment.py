@@ -13,6 +13,8 @@ API (stable):
         .seconds(key, model, now) -> float          predicted seconds of work still queued
         .loads(models, now) -> list[EncoderLoad]    the `encoders` argument of assign
         .forget(key)                                an encoder left the pool
+    vllm_greedy_assignment(image_patches, k)       vLLM's own balancer, as an encoder index per
+                                                    image (the baseline tests and the simulator compare with)
 
 The policy. Images go in decreasing size (patch count; with non-negative coefficients that is
 also decreasing predicted cost on every encoder, ties kept in request order), each to the
@@ -162,3 +164,21 @@ class Backlog:
     def loads(self, models: Mapping[Hashable, CostModel], now: float) -> list[EncoderLoad]:
         """EncoderLoad for each encoder in `models` (in its order): the `encoders` of `assign`."""
         return [EncoderLoad(key, self.seconds(key, model, now), model) for key, model in models.items()]
+
+
+def vllm_greedy_assignment(image_patches: Sequence[int], k: int) -> list[int]:
+    """Encoder index per image from vLLM's own `get_load_balance_assignment` (needs vLLM).
+
+    vLLM returns a shuffle order and per-GPU counts; this turns them into the same shape
+    `assign` returns, so the two can be compared image by image.
+    """
+    from vllm.model_executor.models.vision import get_load_balance_assignment
+
+    shuffle, counts, _ = get_load_balance_assignment(list(image_patches), num_gpus=k)
+    result = [0] * len(image_patches)
+    pos = 0
+    for gpu, count in enumerate(counts):
+        for idx in shuffle[pos : pos + count]:
+            result[idx] = gpu
+        pos += count
+    return result

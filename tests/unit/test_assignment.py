@@ -6,22 +6,8 @@ import random
 
 import pytest
 
-from encdis.llm_node.assignment import Backlog, EncoderLoad, assign
+from encdis.llm_node.assignment import Backlog, EncoderLoad, assign, vllm_greedy_assignment
 from encdis.llm_node.cost_model import CostModel
-
-
-def _vllm_assignment(sizes: list[int], k: int) -> list[int]:
-    """Encoder index per image from vLLM's own balancer (its shuffle order + per-GPU counts)."""
-    from vllm.model_executor.models.vision import get_load_balance_assignment
-
-    shuffle, counts, _ = get_load_balance_assignment(sizes, num_gpus=k)
-    result = [-1] * len(sizes)
-    pos = 0
-    for gpu, count in enumerate(counts):
-        for idx in shuffle[pos : pos + count]:
-            result[idx] = gpu
-        pos += count
-    return result
 
 
 def _random_sizes(rng: random.Random) -> list[int]:
@@ -47,7 +33,7 @@ def test_equal_linear_models_and_empty_backlogs_reduce_exactly_to_vllm_greedy() 
         k = rng.randint(1, 9)
         model = _linear(rng.choice([3.25e-6, 1.0, 0.1, 7e-9]))
         encoders = [EncoderLoad(key=f"enc{e}", backlog_seconds=0.0, model=model) for e in range(k)]
-        assert assign(sizes, encoders) == _vllm_assignment(sizes, k), (sizes, k)
+        assert assign(sizes, encoders) == vllm_greedy_assignment(sizes, k), (sizes, k)
 
 
 def test_equal_linear_models_and_equal_backlogs_also_reduce_to_vllm_greedy() -> None:
@@ -57,7 +43,7 @@ def test_equal_linear_models_and_equal_backlogs_also_reduce_to_vllm_greedy() -> 
         sizes = _random_sizes(rng)
         backlog = rng.uniform(0, 2.0)
         encoders = [EncoderLoad(key=e, backlog_seconds=backlog, model=_linear()) for e in range(4)]
-        assert assign(sizes, encoders) == _vllm_assignment(sizes, 4)
+        assert assign(sizes, encoders) == vllm_greedy_assignment(sizes, 4)
 
 
 def _predicted_makespan(sizes: list[int], plan: list[int], model: CostModel, k: int) -> float:
@@ -74,7 +60,7 @@ def test_with_the_n2_term_it_balances_seconds_not_patches() -> None:
     sizes = [42196] + [4700] * 12
     encoders = [EncoderLoad(e, 0.0, model) for e in range(2)]
     ours = _predicted_makespan(sizes, assign(sizes, encoders), model, 2)
-    theirs = _predicted_makespan(sizes, _vllm_assignment(sizes, 2), model, 2)
+    theirs = _predicted_makespan(sizes, vllm_greedy_assignment(sizes, 2), model, 2)
     assert ours < 0.95 * theirs
 
 
@@ -91,7 +77,7 @@ def test_on_random_requests_predicted_makespan_is_vllms_or_better() -> None:
         sizes = _random_sizes(rng)
         encoders = [EncoderLoad(e, 0.0, model) for e in range(k)]
         ours = _predicted_makespan(sizes, assign(sizes, encoders), model, k)
-        theirs = _predicted_makespan(sizes, _vllm_assignment(sizes, k), model, k)
+        theirs = _predicted_makespan(sizes, vllm_greedy_assignment(sizes, k), model, k)
         ratios.append(ours / theirs)
         better += ours < theirs * (1 - 1e-9)
         worse += ours > theirs * (1 + 1e-9)
@@ -110,7 +96,7 @@ def test_busy_encoder_gets_no_work_until_others_catch_up() -> None:
     ]
     assert 0 not in assign([4096] * 6, encoders)
     # vLLM's balancer ignores backlogs and would put the largest image on encoder 0.
-    assert _vllm_assignment([4096] * 6, 3)[0] == 0
+    assert vllm_greedy_assignment([4096] * 6, 3)[0] == 0
 
 
 def test_slow_encoder_gets_proportionally_fewer_patches() -> None:
