@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -82,6 +84,14 @@ class NodeProcess:
     def metrics_port(self) -> int | None:
         assert self.info is not None
         return self.info.get("metrics_port")
+
+    def metric(self, name: str) -> float:
+        """A label-less sample from the node's Prometheus endpoint; fails if it is not exported."""
+        url = f"http://{self.host}:{self.metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+        assert m, f"{name} is not exported by {self.args[0]} node {self.address}"
+        return float(m.group(1))
 
     @property
     def address(self) -> str:

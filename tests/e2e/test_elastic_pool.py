@@ -18,11 +18,9 @@ No request may fail, and every output must equal the monolithic model's.
 
 from __future__ import annotations
 
-import re
 import socket
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,15 +62,8 @@ def free_port_on_all(ips: tuple[str, ...]) -> int:
     raise RuntimeError(f"no port free on all of {ips}")
 
 
-def scrape(node: NodeProcess, metric: str) -> float:
-    body = urllib.request.urlopen(f"http://{node.host}:{node.metrics_port}/metrics", timeout=5).read().decode()
-    m = re.search(rf"^{metric} (\S+)$", body, flags=re.MULTILINE)
-    assert m, f"{metric} missing on {node.address}"
-    return float(m.group(1))
-
-
 def images_encoded(node: NodeProcess) -> float:
-    return scrape(node, "encdis_encoder_images_total")
+    return node.metric("encdis_encoder_images_total")
 
 
 @dataclass

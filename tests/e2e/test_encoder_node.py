@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import grpc
 import numpy as np
@@ -22,13 +20,6 @@ from tests.nodes import start_node
 def _health(address: str) -> int:
     with grpc.insecure_channel(address) as ch:
         return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
-
-
-def _metric(port: int, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    m = re.search(rf"^{name} (\S+)$", text, re.M)
-    assert m, f"{name} missing from /metrics"
-    return float(m.group(1))
 
 
 def _wait_for(predicate, timeout: float, what: str) -> None:
@@ -92,11 +83,11 @@ def test_queued_patches_rise_under_load_and_return_to_zero(encoder):
         t = threading.Thread(target=c.encode, args=(big,))
         t.start()
         while t.is_alive():
-            seen.append(_metric(encoder.metrics_port, "encdis_encoder_queued_patches"))
+            seen.append(encoder.metric("encdis_encoder_queued_patches"))
         t.join()
     assert max(seen) > 0
-    assert _metric(encoder.metrics_port, "encdis_encoder_queued_patches") == 0
-    assert _metric(encoder.metrics_port, "encdis_encoder_patches_total") >= 8 * 1024
+    assert encoder.metric("encdis_encoder_queued_patches") == 0
+    assert encoder.metric("encdis_encoder_patches_total") >= 8 * 1024
 
 
 def test_sigterm_drains_in_flight_calls_refuses_new_ones_and_exits_0(encoder):
@@ -114,7 +105,7 @@ def test_sigterm_drains_in_flight_calls_refuses_new_ones_and_exits_0(encoder):
     callers = [threading.Thread(target=call) for _ in range(4)]
     for t in callers:
         t.start()
-    _wait_for(lambda: _metric(encoder.metrics_port, "encdis_encoder_inflight_requests") == 4, 60, "4 calls in flight")
+    _wait_for(lambda: encoder.metric("encdis_encoder_inflight_requests") == 4, 60, "4 calls in flight")
     encoder.terminate()  # SIGTERM
     _wait_for(lambda: _health(encoder.address) == health_pb2.HealthCheckResponse.NOT_SERVING, 30, "NOT_SERVING")
     with EncoderClient(encoder.address, timeout=30) as c, pytest.raises(Unavailable, match="draining"):

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,13 +42,6 @@ class Rig:
     victim: NodeProcess
     other: NodeProcess
     dns: LoopbackDNS
-
-
-def scrape(node: NodeProcess, name: str) -> float:
-    """A label-less sample from a node's Prometheus endpoint (0 if absent)."""
-    text = urllib.request.urlopen(f"http://{node.host}:{node.metrics_port}/metrics", timeout=10).read().decode()
-    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
 
 
 def encoders_by_address(llm: NodeProcess) -> dict:
@@ -101,7 +92,7 @@ def rig(tiny_ckpt: Path, other_ckpt: Path, encoder_nodes: list[NodeProcess]) -> 
 async def test_kill_9_of_one_of_two_encoders_with_eight_requests_in_flight(rig: Rig, monolithic, equality_cases):
     cases = concurrent_cases(equality_cases)
     assert len(cases) == 8
-    retries_before = scrape(rig.llm, "encdis_coordinator_retries_total")
+    retries_before = rig.llm.metric("encdis_coordinator_retries_total")
     # Frozen, the victim surely still holds its share when it dies (a kill at a random moment
     # could come after it finished).
     os.kill(rig.victim.pid, signal.SIGSTOP)
@@ -120,7 +111,7 @@ async def test_kill_9_of_one_of_two_encoders_with_eight_requests_in_flight(rig: 
         results = await asyncio.gather(*requests)
     got = {c.name: r.token_ids for c, r in zip(cases, results, strict=True)}
     assert got == {c.name: monolithic[c.name] for c in cases}
-    assert scrape(rig.llm, "encdis_coordinator_retries_total") > retries_before
+    assert rig.llm.metric("encdis_coordinator_retries_total") > retries_before
     encoders = encoders_by_address(rig.llm)
     assert encoders[rig.victim.address].state == "unhealthy"
     assert encoders[rig.good.address].state == "serving"
@@ -134,7 +125,7 @@ def test_encoder_of_another_checkpoint_is_refused_and_gets_no_work(rig: Rig, equ
     assert other.state == "refused"
     assert "weights_fingerprint" in other.reason
     assert other.assigned_images == 0 and other.assigned_patches == 0
-    assert scrape(rig.other, "encdis_encoder_patches_total") == 0
+    assert rig.other.metric("encdis_encoder_patches_total") == 0
 
 
 def test_repeated_image_hits_the_cache_with_the_same_output(rig: Rig):
@@ -143,9 +134,9 @@ def test_repeated_image_hits_the_cache_with_the_same_output(rig: Rig):
     live = [n for n in (rig.good, rig.victim) if n.proc.poll() is None]
 
     def encoded_patches() -> float:
-        return sum(scrape(n, "encdis_encoder_patches_total") for n in live)
+        return sum(n.metric("encdis_encoder_patches_total") for n in live)
 
-    hits = scrape(rig.llm, "encdis_coordinator_cache_hits_total")
+    hits = rig.llm.metric("encdis_coordinator_cache_hits_total")
     with GenerateClient(rig.llm.address, timeout=300) as client:
         p0 = encoded_patches()
         first = client.generate(prompt, [image], max_tokens=12, ignore_eos=True)
@@ -156,7 +147,7 @@ def test_repeated_image_hits_the_cache_with_the_same_output(rig: Rig):
     assert p2 == p1, "the repeated image was encoded again"
     assert second.usage.cached_images == 1
     assert second.token_ids == first.token_ids and len(first.token_ids) == 12
-    assert scrape(rig.llm, "encdis_coordinator_cache_hits_total") == hits + 1
+    assert rig.llm.metric("encdis_coordinator_cache_hits_total") == hits + 1
 
 
 def test_no_usable_encoder_fails_with_unavailable_and_the_node_keeps_serving(rig: Rig, monolithic,

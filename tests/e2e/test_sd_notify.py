@@ -11,14 +11,12 @@ from __future__ import annotations
 import io
 import os
 import random
-import re
 import shutil
 import socket
 import struct
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -72,13 +70,6 @@ def png(width: int, height: int, seed: int) -> bytes:
     return buf.getvalue()
 
 
-def queued_patches(metrics_port: int) -> float:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-    m = re.search(rf"^{HPA_METRIC} (\S+)$", body, flags=re.MULTILINE)
-    assert m, f"{HPA_METRIC} is not exported"
-    return float(m.group(1))
-
-
 @pytest.fixture(scope="module")
 def notify_socket() -> Iterator[NotifySocket]:
     s = NotifySocket()
@@ -120,7 +111,7 @@ def test_queued_patches_rise_under_load_and_return_to_zero(node: tuple[NodeProce
     """The HPA's signal: patches accepted but not finished, 0 when idle."""
     proc, _, _ = node
     assert proc.metrics_port
-    assert queued_patches(proc.metrics_port) == 0
+    assert proc.metric(HPA_METRIC) == 0
     side = 28 * 16  # 448 px: 32 x 32 = 1024 patches, the tiny checkpoint's max_pixels
     images = [png(side, side, seed=i) for i in range(4)]
     calls = 12
@@ -131,7 +122,7 @@ def test_queued_patches_rise_under_load_and_return_to_zero(node: tuple[NodeProce
 
     def poll() -> None:
         while not stop.is_set():
-            seen.append(queued_patches(proc.metrics_port))
+            seen.append(proc.metric(HPA_METRIC))
 
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
@@ -144,9 +135,9 @@ def test_queued_patches_rise_under_load_and_return_to_zero(node: tuple[NodeProce
     assert max(seen) <= total
     assert all(v == int(v) and v >= 0 for v in seen)
     deadline = time.monotonic() + 10
-    while queued_patches(proc.metrics_port) != 0 and time.monotonic() < deadline:
+    while proc.metric(HPA_METRIC) != 0 and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert queued_patches(proc.metrics_port) == 0, "the gauge did not return to 0 when idle"
+    assert proc.metric(HPA_METRIC) == 0, "the gauge did not return to 0 when idle"
 
 
 def test_stopping_is_sent_on_sigterm_and_the_node_exits_cleanly(

@@ -13,11 +13,9 @@ import contextlib
 import io
 import logging
 import os
-import re
 import signal
 import socket
 import time
-import urllib.request
 from collections.abc import AsyncIterator, Sequence
 
 import numpy as np
@@ -48,14 +46,6 @@ def png(width: int, height: int, seed: int) -> bytes:
 
 def encoder_args(model, host: str, port: int = 0) -> list[str]:
     return ["encoder", "--model", str(model), "--host", host, "--port", str(port), "--metrics-port", "0"]
-
-
-def patches_total(node: NodeProcess) -> float:
-    """The encoder's encdis_encoder_patches_total, scraped from its metrics endpoint."""
-    text = urllib.request.urlopen(f"http://{node.host}:{node.metrics_port}/metrics", timeout=10).read().decode()
-    m = re.search(r"^encdis_encoder_patches_total (\S+)$", text, re.M)
-    assert m, "encoder exports no encdis_encoder_patches_total"
-    return float(m.group(1))
 
 
 def metric(registry: CollectorRegistry, name: str, **labels: str) -> float:
@@ -145,7 +135,7 @@ async def test_images_spread_over_both_encoders_and_equal_a_direct_call(pair, ti
 
 async def test_encoder_of_another_checkpoint_is_refused_and_gets_no_work(pair, tiny_ckpt) -> None:
     a, _, other = pair
-    before = patches_total(other)
+    before = other.metric("encdis_encoder_patches_total")
     async with coordinator(tiny_ckpt, [other.address, a.address]) as coord:
         await wait_for(lambda: states(coord) == {other.address: "refused", a.address: "serving"},
                        what="other refused, a serving")
@@ -155,7 +145,7 @@ async def test_encoder_of_another_checkpoint_is_refused_and_gets_no_work(pair, t
         assert refused.assigned_images == 0
         assert next(e for e in coord.encoders() if e.address == a.address).assigned_images == 4
         assert metric(coord.registry, "encdis_coordinator_encoders", state="refused") == 1
-    assert patches_total(other) == before
+    assert other.metric("encdis_encoder_patches_total") == before
 
 
 async def test_no_usable_encoder_fails_with_unavailable_naming_why(pair, tiny_ckpt) -> None:
@@ -180,20 +170,20 @@ async def test_repeated_image_hits_the_cache_and_identical_in_flight_images_enco
     a, _, _ = pair
     image = png(200, 150, seed=7)
     async with coordinator(tiny_ckpt, [a.address]) as coord:
-        start = patches_total(a)
+        start = a.metric("encdis_encoder_patches_total")
         first = await coord.encode([image])
-        after_first = patches_total(a)
+        after_first = a.metric("encdis_encoder_patches_total")
         assert after_first > start and not first.images[0].cached
         second = await coord.encode([image])
         assert second.images[0].cached and torch.equal(second.images[0].embeds, first.images[0].embeds)
-        assert patches_total(a) == after_first  # no second encode
+        assert a.metric("encdis_encoder_patches_total") == after_first  # no second encode
         assert metric(coord.registry, "encdis_coordinator_cache_hits_total") == 1
         assert metric(coord.registry, "encdis_coordinator_cache_misses_total") == 1
 
         fresh = png(300, 200, seed=8)
-        before = patches_total(a)
+        before = a.metric("encdis_encoder_patches_total")
         results = await asyncio.gather(coord.encode([fresh]), coord.encode([fresh]), coord.encode([fresh, fresh]))
-        one_image = patches_total(a) - before
+        one_image = a.metric("encdis_encoder_patches_total") - before
         grid = results[0].images[0].grid_thw
         assert one_image == grid[0] * grid[1] * grid[2]  # encoded exactly once for four uses
         embeds = [img.embeds for r in results for img in r.images]
