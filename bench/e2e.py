@@ -66,19 +66,21 @@ async def drive(one, requests, concurrency: int) -> dict:
 
 def bench_encdis(model: Path, requests, warmup, args) -> dict:
     from encdis.client.generate_client import AsyncGenerateClient
-    from encdis.llm_node.demo import Child
+    from encdis.launcher import NodeProcess
 
     log_dir = Path(tempfile.mkdtemp(prefix="encdis-bench-"))
-    children = []
+    children: list[NodeProcess] = []
     try:
         for i in range(args.encoders):
-            children.append(Child(f"encoder-{i}", ["encoder", "--model", str(model), "--host", "127.0.0.1",
-                                                   "--port", "0"], log_dir))
-        addresses = [c.wait_ready(900) for c in children]
-        llm = Child("llm", ["llm", "--model", str(model), "--host", "127.0.0.1", "--port", "0",
-                            "--encoders", ",".join(addresses), "--max-num-seqs", str(args.concurrency)], log_dir)
+            children.append(NodeProcess(["encoder", "--model", str(model), "--host", "127.0.0.1", "--port", "0"],
+                                        name=f"encoder-{i}", log_dir=log_dir))
+        for c in children:
+            c.wait_ready(900)
+        llm = NodeProcess(["llm", "--model", str(model), "--host", "127.0.0.1", "--port", "0",
+                           "--encoders", ",".join(c.address for c in children),
+                           "--max-num-seqs", str(args.concurrency)], name="llm", log_dir=log_dir)
         children.append(llm)
-        address = llm.wait_ready(900)
+        address = llm.wait_ready(900).address
 
         async def main() -> dict:
             async with AsyncGenerateClient(address, timeout=600) as client:

@@ -24,13 +24,13 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from encdis.launcher import NodeProcess, start_node
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -90,27 +90,11 @@ class InProcess:
         return self._worker.submit(self._all, requests).result()
 
 
-class NodeProcess:
-    """`encdis encoder` on loopback; ready when it prints its ready line."""
-
-    def __init__(self, model: Path, device: str, dtype: str, max_batch_patches: int) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "encdis.cli", "encoder", "--model", str(model), "--host", "127.0.0.1",
-             "--port", "0", "--device", device, "--dtype", dtype, "--max-batch-patches", str(max_batch_patches),
-             "--log-level", "WARNING"],
-            stdout=subprocess.PIPE, text=True,
-        )
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("encdis ready "):
-                self.port = json.loads(line[len("encdis ready "):])["grpc_port"]
-                threading.Thread(target=self.proc.stdout.read, daemon=True).start()
-                return
-        raise RuntimeError(f"encoder node exited with {self.proc.wait()} before it was ready")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(60)
+def start_encoder(model: Path, device: str, dtype: str, max_batch_patches: int) -> NodeProcess:
+    """`encdis encoder` on loopback, returned once it printed its ready line."""
+    return start_node(["encoder", "--model", str(model), "--host", "127.0.0.1", "--port", "0", "--device", device,
+                       "--dtype", dtype, "--max-batch-patches", str(max_batch_patches), "--log-level", "WARNING"],
+                      timeout=600)
 
 
 def run_grpc(address: str, requests: list[list[bytes]], concurrency: int) -> dict:
@@ -161,16 +145,16 @@ def main(argv: list[str] | None = None) -> int:
             modes.append(("gRPC node", args.concurrency))
         runs: dict[tuple[str, int], list[dict]] = {m: [] for m in modes}
         in_process = InProcess(model, args.device, args.dtype)
-        node = NodeProcess(model, args.device, args.dtype, args.max_batch_patches)
+        node = start_encoder(model, args.device, args.dtype, args.max_batch_patches)
         try:
-            address = f"127.0.0.1:{node.port}"
+            address = node.address
             for _ in range(args.rounds):
                 for name, callers in modes:
                     in_proc = name.startswith("in-process")
                     run = in_process.run(requests) if in_proc else run_grpc(address, requests, callers)
                     runs[(name, callers)].append(run)
         finally:
-            node.stop()
+            node.stop(60)
 
     rows = []
     for (mode, callers), results in runs.items():

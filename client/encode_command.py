@@ -22,10 +22,7 @@ import numpy as np
 
 from encdis.client.encoder_client import EncoderClient
 from encdis.client.errors import EncdisError
-from encdis.client.wire import Embedding
-
-# The wire's datatypes are safetensors' dtype names too (BF16 keeps its raw bytes).
-SAFETENSORS_DTYPES = {"FP32": "F32", "FP16": "F16", "BF16": "BF16"}
+from encdis.client.wire import DATATYPES, Embedding
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,7 +60,8 @@ def write_embeddings(path: str | os.PathLike, embeddings: Sequence[Embedding],
     metadata: dict[str, str] = {}
     for e in embeddings:
         i = e.image_index
-        tensors[f"embeds.{i}"] = (SAFETENSORS_DTYPES[e.datatype], e.shape, e.data)
+        # Raw bytes under safetensors' name of the same dtype (BF16 stays BF16).
+        tensors[f"embeds.{i}"] = (DATATYPES[e.datatype].safetensors, e.shape, e.data)
         tensors[f"grid_thw.{i}"] = ("I64", (3,), np.asarray(e.grid_thw, dtype="<i8").tobytes())
         metadata[f"digest.{i}"] = e.digest
         if sources is not None:

@@ -49,6 +49,7 @@ class EncoderDescription:
     hostname: str
     version: str
     max_chunk_bytes: int
+    image_loader: str = ""
 
     @classmethod
     def from_proto(cls, r: encoder_pb2.DescribeResponse) -> EncoderDescription:
@@ -71,6 +72,7 @@ class EncoderDescription:
             hostname=r.hostname,
             version=r.version,
             max_chunk_bytes=r.max_chunk_bytes,
+            image_loader=r.image_loader,
         )
 
 

@@ -9,6 +9,7 @@ Nothing here unpickles: the receiver only reinterprets bytes whose size it check
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -19,7 +20,31 @@ from encdis.client.pb import encoder_pb2
 
 DEFAULT_MAX_CHUNK_BYTES = 4 * 1024 * 1024
 
-ITEMSIZE = {"FP32": 4, "FP16": 2, "BF16": 2}
+
+
+@dataclass(frozen=True)
+class Datatype:
+    """One wire datatype and its names elsewhere: the one table of embedding dtypes."""
+
+    name: str  # on the wire (Open Inference Protocol)
+    itemsize: int
+    torch: str  # attribute of the torch module
+    safetensors: str
+
+
+DATATYPES = {d.name: d for d in (
+    Datatype("FP32", 4, "float32", "F32"),
+    Datatype("FP16", 2, "float16", "F16"),
+    Datatype("BF16", 2, "bfloat16", "BF16"),
+)}
+
+
+def datatype_of_torch(torch_name: str) -> str:
+    """The wire datatype of a torch dtype name ("bfloat16" -> "BF16")."""
+    for d in DATATYPES.values():
+        if d.torch == torch_name:
+            return d.name
+    raise ValueError(f"no wire datatype for torch dtype {torch_name!r}")
 
 
 @dataclass(frozen=True)
@@ -42,6 +67,8 @@ class Embedding:
     digest: str
     batch: BatchInfo | None = None
     queue_seconds: float = 0.0
+    # Measured by the receiver: from its header's arrival to its last chunk's.
+    receive_seconds: float = 0.0
 
     @property
     def num_patches(self) -> int:
@@ -66,21 +93,26 @@ def decode_array(datatype: str, shape: tuple[int, ...], data: bytes) -> np.ndarr
     return bits.view(np.float32).reshape(shape)
 
 
-def itemsize(datatype: str) -> int:
+def datatype(name: str) -> Datatype:
     try:
-        return ITEMSIZE[datatype]
+        return DATATYPES[name]
     except KeyError:
-        raise WireError(f"unknown datatype {datatype!r}; expected one of {sorted(ITEMSIZE)}") from None
+        raise WireError(f"unknown datatype {name!r}; expected one of {sorted(DATATYPES)}") from None
 
 
-def content_digest(image: bytes, min_pixels: int, max_pixels: int, weights_fingerprint: str) -> str:
-    """Key of an embedding: the image bytes, the resize bounds and the tower's weights.
+def itemsize(name: str) -> int:
+    return datatype(name).itemsize
+
+
+def content_digest(image: bytes, min_pixels: int, max_pixels: int, weights_fingerprint: str,
+                   image_loader: str = "vllm") -> str:
+    """Key of an embedding: the image bytes, the resize bounds, the image loader and the tower's weights.
 
     Both the encoder node and the coordinator compute it, so a cached embedding is only
-    reused when all three match. It is also vLLM's multimodal uuid for the image.
+    reused when all of them match. It is also vLLM's multimodal uuid for the image.
     """
     h = hashlib.sha256()
-    h.update(f"encdis-v1|{int(min_pixels)}|{int(max_pixels)}|{weights_fingerprint}|".encode())
+    h.update(f"encdis-v2|{int(min_pixels)}|{int(max_pixels)}|{image_loader}|{weights_fingerprint}|".encode())
     h.update(image)
     return h.hexdigest()
 
@@ -157,6 +189,7 @@ class EmbeddingAssembler:
         if header.num_chunks == 0:
             raise WireError(f"image {header.image_index}: num_chunks is 0")
         self.header = header
+        self._started = time.perf_counter()
         self._buf = bytearray()
         self._next_chunk = 0
 
@@ -198,6 +231,7 @@ class EmbeddingAssembler:
             digest=h.digest,
             batch=batch,
             queue_seconds=h.queue_seconds,
+            receive_seconds=time.perf_counter() - self._started,
         )
 
 

@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from encdis import sd_notify
 from encdis.client.errors import EncdisError
+from encdis.launcher import READY_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def _wrap_unary(behavior, method: str):
             return await behavior(request, context)
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
-        except Exception as e:  # noqa: BLE001 - this is the mapping point
+        except Exception as e:  # this is the mapping point
             await _abort_for(e, context, method)
 
     return wrapper
@@ -74,7 +75,7 @@ def _wrap_stream(behavior, method: str):
                 yield item
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
-        except Exception as e:  # noqa: BLE001 - this is the mapping point
+        except Exception as e:  # this is the mapping point
             await _abort_for(e, context, method)
 
     return wrapper
@@ -158,9 +159,9 @@ def start_metrics_http(port: int, registry, host: str = "0.0.0.0") -> int | None
 
 
 def announce_ready(role: str, grpc_port: int, metrics_port: int | None, **extra: object) -> None:
-    """One stdout line scripts wait for, then READY=1 to systemd."""
+    """One stdout line scripts wait for (encdis.launcher reads it), then READY=1 to systemd."""
     info = {"role": role, "grpc_port": grpc_port, "metrics_port": metrics_port, "pid": os.getpid(), **extra}
-    print("encdis ready " + json.dumps(info), flush=True)
+    print(READY_PREFIX + json.dumps(info), flush=True)
     sys.stdout.flush()
     sd_notify.notify("READY=1")
 

@@ -33,14 +33,16 @@ ForwardFn = Callable[[Sequence[torch.Tensor], Sequence[tuple[int, int, int]]], l
 
 
 @dataclass(frozen=True)
-class EncodedImage:
+class TowerOutput:
+    """One image's share of a forward pass: its rows, the batch it ran in, its wait."""
+
     embedding: torch.Tensor  # (num_tokens, hidden) on CPU
     batch: BatchInfo
     queue_seconds: float
 
 
 @dataclass
-class _Job:
+class _QueuedImage:
     image: PreparedImage
     accepted_at: float
     future: asyncio.Future
@@ -53,7 +55,7 @@ class Batcher:
         self.max_batch_patches = max_batch_patches
         self.max_queued_patches = max_queued_patches
         self._metrics = metrics
-        self._queue: collections.deque[_Job] = collections.deque()
+        self._queue: collections.deque[_QueuedImage] = collections.deque()
         self._wakeup = asyncio.Event()
         self._queued_patches = 0
         self._closed = False
@@ -85,9 +87,9 @@ class Batcher:
         self._add_queued(-patches)
 
     def submit(self, image: PreparedImage, accepted_at: float) -> asyncio.Future:
-        """Queue an admitted image; the future resolves to its EncodedImage."""
+        """Queue an admitted image; the future resolves to its TowerOutput."""
         fut = asyncio.get_running_loop().create_future()
-        self._queue.append(_Job(image, accepted_at, fut))
+        self._queue.append(_QueuedImage(image, accepted_at, fut))
         self._wakeup.set()
         return fut
 
@@ -103,8 +105,8 @@ class Batcher:
         self._queued_patches += delta
         self._metrics.queued_patches.set(self._queued_patches)
 
-    def _take_batch(self) -> list[_Job]:
-        batch: list[_Job] = []
+    def _take_batch(self) -> list[_QueuedImage]:
+        batch: list[_QueuedImage] = []
         patches = 0
         while self._queue:
             job = self._queue[0]
@@ -131,7 +133,7 @@ class Batcher:
                 continue
             await self._run_batch(loop, batch)
 
-    async def _run_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_Job]) -> None:
+    async def _run_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_QueuedImage]) -> None:
         images = [j.image for j in batch]
         patches = [im.num_patches for im in images]
         started = time.monotonic()
@@ -161,4 +163,4 @@ class Batcher:
                 continue
             queue_s = started - job.accepted_at
             self._metrics.queue_seconds.observe(queue_s)
-            job.future.set_result(EncodedImage(embedding=outputs[i], batch=info, queue_seconds=queue_s))
+            job.future.set_result(TowerOutput(embedding=outputs[i], batch=info, queue_seconds=queue_s))

@@ -9,34 +9,20 @@ Every rejection is an InvalidArgument naming the image index and the reason.
 
 from __future__ import annotations
 
-import io
 import os
-import warnings
 from dataclasses import dataclass
 
 import torch
-from PIL import Image
 from transformers import AutoImageProcessor
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
 from encdis.client.errors import InvalidArgument
 from encdis.client.wire import content_digest
+from encdis.encoder_node import image_loader
+from encdis.image_header import ImageHeader, open_image, read_header
 
-# What PIL may open. Anything else (EPS, PSD, SVG, ...) is refused before decoding.
-ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 # smart_resize refuses aspect ratios above this.
 MAX_ASPECT_RATIO = 200
-
-
-@dataclass(frozen=True)
-class ImageHeader:
-    """What the file says about itself, read without decoding pixels."""
-
-    index: int
-    format: str
-    width: int
-    height: int
-    mode: str
 
 
 @dataclass(frozen=True)
@@ -58,7 +44,7 @@ class ImagePreprocessor:
     """Validates, decodes and preprocesses images for one checkpoint."""
 
     def __init__(self, model_dir: str | os.PathLike, *, weights_fingerprint: str, max_image_bytes: int,
-                 max_image_pixels: int, min_pixels: int = 0, max_pixels: int = 0) -> None:
+                 max_image_pixels: int, min_pixels: int = 0, max_pixels: int = 0, image_loader: str = "vllm") -> None:
         self.processor = AutoImageProcessor.from_pretrained(str(model_dir))
         size = self.processor.size
         self.default_min_pixels = int(size["shortest_edge"])
@@ -77,6 +63,7 @@ class ImagePreprocessor:
         self.merge_size = int(self.processor.merge_size)
         self.temporal_patch_size = int(self.processor.temporal_patch_size)
         self.weights_fingerprint = weights_fingerprint
+        self.image_loader = image_loader
         self.max_image_bytes = max_image_bytes
         self.max_image_pixels = max_image_pixels
 
@@ -99,10 +86,11 @@ class ImagePreprocessor:
             raise InvalidArgument(f"image {index}: empty (0 bytes)")
         if len(data) > self.max_image_bytes:
             raise InvalidArgument(f"image {index}: {len(data)} bytes exceeds the limit of {self.max_image_bytes} bytes")
-        img = self._open(index, data)
-        width, height = img.size
-        if width <= 0 or height <= 0:
-            raise InvalidArgument(f"image {index}: invalid size {width}x{height}")
+        try:
+            header = read_header(data)
+        except ValueError as e:
+            raise InvalidArgument(f"image {index}: {e}") from None
+        width, height = header.width, header.height
         if width * height > self.max_image_pixels:
             raise InvalidArgument(
                 f"image {index}: {width}x{height} = {width * height} pixels exceeds the limit of "
@@ -114,7 +102,7 @@ class ImagePreprocessor:
                 f"image {index}: aspect ratio {ratio:.1f} ({width}x{height}) exceeds {MAX_ASPECT_RATIO}, "
                 "the most the image processor allows"
             )
-        return ImageHeader(index=index, format=str(img.format), width=width, height=height, mode=img.mode)
+        return header
 
     def num_patches(self, header: ImageHeader, min_pixels: int, max_pixels: int) -> int:
         """Patches the image will have (smart_resize on the header's size), before decoding."""
@@ -124,13 +112,17 @@ class ImagePreprocessor:
 
     def prepare(self, index: int, data: bytes, min_pixels: int, max_pixels: int) -> PreparedImage:
         """Decode and preprocess one (already inspected) image. CPU-heavy: call it off the event loop."""
-        img = self._open(index, data)
+        try:
+            img = open_image(data)
+        except ValueError as e:
+            raise InvalidArgument(f"image {index}: {e}") from None
         try:
             img.load()
-        except Exception as e:  # noqa: BLE001 - PIL raises many types for broken files
+        except Exception as e:  # PIL raises many types for broken files
             raise InvalidArgument(f"image {index}: cannot decode {img.format}: {e}") from None
         try:
-            out = self.processor(images=[img], size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
+            rgb = image_loader.load(img, self.image_loader)
+            out = self.processor(images=[rgb], size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
                                  return_tensors="pt")
         except (ValueError, OSError, TypeError) as e:
             raise InvalidArgument(f"image {index}: preprocessing failed: {e}") from None
@@ -139,23 +131,5 @@ class ImagePreprocessor:
             index=index,
             pixel_values=out["pixel_values"],
             grid_thw=(t, h, w),
-            digest=content_digest(data, min_pixels, max_pixels, self.weights_fingerprint),
+            digest=content_digest(data, min_pixels, max_pixels, self.weights_fingerprint, self.image_loader),
         )
-
-    def _open(self, index: int, data: bytes) -> Image.Image:
-        """PIL's lazy open: parses the header only; formats outside ALLOWED_FORMATS are refused."""
-        try:
-            with warnings.catch_warnings():
-                # Our own pixel limit applies; PIL's bomb warning would only add noise.
-                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-                return Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
-        except Image.DecompressionBombError as e:
-            raise InvalidArgument(
-                f"image {index}: header claims too many pixels (the limit is {self.max_image_pixels}): {e}"
-            ) from None
-        except Image.UnidentifiedImageError:
-            raise InvalidArgument(
-                f"image {index}: unsupported or corrupt image data (accepted formats: {', '.join(ALLOWED_FORMATS)})"
-            ) from None
-        except Exception as e:  # noqa: BLE001 - a malformed header can raise anything
-            raise InvalidArgument(f"image {index}: unreadable image header: {e}") from None

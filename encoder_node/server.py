@@ -47,6 +47,7 @@ def load_model(settings: EncoderSettings, metrics: EncoderMetrics) -> LoadedMode
     pre = ImagePreprocessor(
         settings.model, weights_fingerprint=fingerprint, max_image_bytes=settings.max_image_bytes,
         max_image_pixels=settings.max_image_pixels, min_pixels=settings.min_pixels, max_pixels=settings.max_pixels,
+        image_loader=settings.image_loader,
     )
     return LoadedModel(
         tower=tower, preprocessor=pre, weights_fingerprint=fingerprint,
@@ -105,11 +106,13 @@ class EncoderNode:
         await self.health.set_serving()
 
     async def drain(self) -> None:
-        """NOT_SERVING first, refuse new calls, let calls in progress finish, then stop."""
+        """NOT_SERVING first; new calls still accepted for drain_accept_seconds (coordinators see
+        the health change meanwhile), then refused; calls in progress finish; then stop."""
         log.info("draining: %d calls in progress", self.servicer.inflight)
         if self.health is not None:
             await self.health.set_not_serving()
         notify_stopping()
+        await asyncio.sleep(self.settings.drain_accept_seconds)
         self.servicer.start_draining()
         if not await self.servicer.wait_idle(self.settings.drain_grace_seconds):
             log.warning("drain grace of %.0fs over with %d calls in progress; stopping anyway",

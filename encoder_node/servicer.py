@@ -119,6 +119,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             hostname=socket.gethostname(),
             version=encdis.__version__,
             max_chunk_bytes=s.max_chunk_bytes,
+            image_loader=pre.image_loader,
         )
 
     async def Encode(self, request: encoder_pb2.EncodeRequest,

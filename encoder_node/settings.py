@@ -1,19 +1,23 @@
 """EncoderSettings: every knob of an encoder node, built from CLI flags and ENCDIS_* variables.
 
 Each flag `--some-flag` takes its default from the environment variable ENCDIS_SOME_FLAG,
-so a systemd EnvironmentFile or a Kubernetes env block configures a node without flags.
+so a systemd EnvironmentFile or a Kubernetes env block configures a node without flags
+(the mechanism is encdis/settings_flags.py; this module has the fields and their help).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
-MiB = 1024 * 1024
+from encdis import settings_flags
+from encdis.settings_flags import DTYPES
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOADERS = ("vllm", "transformers")  # encoder_node/image_loader.py
+
+MiB = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -34,18 +38,26 @@ class EncoderSettings:
     max_queued_patches: int = 16 * 16384  # accepted, unfinished patches beyond which Encode is refused
     max_chunk_bytes: int = 4 * MiB
     drain_grace_seconds: float = 30.0
+    # After SIGTERM the node reports NOT_SERVING at once but still accepts calls this long, so a
+    # coordinator's call sent before its health watch saw the drain is served, not refused.
+    drain_accept_seconds: float = 1.0
     preprocess_workers: int = 2  # threads decoding and resizing images
+    image_loader: str = "vllm"  # how a decoded image becomes RGB: vLLM's serving rules or transformers'
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"--device must be cpu or cuda:N, got {self.device!r}")
+        if self.image_loader not in LOADERS:
+            raise ValueError(f"--image-loader must be one of {', '.join(LOADERS)}, got {self.image_loader!r}")
         positive = ("max_batch_patches", "max_images_per_request", "max_image_bytes", "max_image_pixels",
                     "max_concurrent_rpcs", "max_queued_patches", "max_chunk_bytes", "preprocess_workers")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.drain_accept_seconds < 0:
+            raise ValueError(f"--drain-accept-seconds must be >= 0, got {self.drain_accept_seconds}")
         if self.min_pixels < 0 or self.max_pixels < 0:
             raise ValueError("--min-pixels and --max-pixels must be >= 0")
         if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
@@ -75,31 +87,17 @@ _HELP = {
     "max_queued_patches": "accepted but unfinished patches before RESOURCE_EXHAUSTED",
     "max_chunk_bytes": "default size of embedding chunks on the wire",
     "drain_grace_seconds": "on SIGTERM, how long in-flight calls may take to finish",
+    "drain_accept_seconds": "on SIGTERM, how long new calls are still accepted after health turns NOT_SERVING",
     "preprocess_workers": "threads decoding and resizing images",
+    "image_loader": "vllm (EXIF orientation, transparency onto white, as vllm serve) or transformers (as decoded)",
 }
 
 
-def env_name(field_name: str) -> str:
-    return "ENCDIS_" + field_name.upper()
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
     """One flag per field; each defaults to its ENCDIS_* variable, then to the dataclass default."""
-    for f in fields(EncoderSettings):
-        flag = "--" + f.name.replace("_", "-")
-        env = os.environ.get(env_name(f.name))
-        kind = {"int": int, "float": float}.get(str(f.type), str)  # annotations are strings here
-        if f.name == "model":
-            parser.add_argument(flag, type=Path, default=Path(env) if env else None,
-                                help=f"{_HELP[f.name]} [env {env_name(f.name)}]")
-            continue
-        default = kind(env) if env is not None else f.default
-        kwargs = {"choices": DTYPES} if f.name == "dtype" else {}
-        parser.add_argument(flag, type=kind, default=default,
-                            help=f"{_HELP[f.name]} (default {default}) [env {env_name(f.name)}]", **kwargs)
+    choices = {"dtype": DTYPES, "image_loader": LOADERS}
+    settings_flags.add_arguments(parser, EncoderSettings, _HELP, environ=environ, choices=choices)
 
 
 def from_args(args: argparse.Namespace) -> EncoderSettings:
-    if getattr(args, "model", None) is None:
-        raise ValueError(f"--model is required (or set {env_name('model')})")
-    return EncoderSettings(**{f.name: getattr(args, f.name) for f in fields(EncoderSettings)})
+    return settings_flags.from_args(EncoderSettings, args)

@@ -17,10 +17,7 @@ from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVi
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
 from encdis.checkpoint import load_visual_state_dict, read_vision_config
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# The wire datatype of each torch dtype (Open Inference Protocol names).
-WIRE_DATATYPES = {torch.float32: "FP32", torch.bfloat16: "BF16", torch.float16: "FP16"}
+from encdis.client.wire import datatype_of_torch
 
 
 class VisionTower:
@@ -28,7 +25,8 @@ class VisionTower:
 
     def __init__(self, model_dir: str | os.PathLike, *, device: str = "cpu", dtype: str = "float32") -> None:
         self.device = torch.device(device)
-        self.dtype = TORCH_DTYPES[dtype]
+        self.datatype = datatype_of_torch(dtype)  # raises for a dtype the wire cannot carry
+        self.dtype = getattr(torch, dtype)
         self.vision_config_dict = read_vision_config(model_dir)
         config = Qwen2_5_VLVisionConfig(**self.vision_config_dict)
         model = Qwen2_5_VisionTransformerPretrainedModel._from_config(config, dtype=self.dtype)
@@ -38,7 +36,6 @@ class VisionTower:
         self.model = model.to(self.device).eval().requires_grad_(False)
         self.merge_size = int(config.spatial_merge_size)
         self.out_hidden_size = int(config.out_hidden_size)
-        self.datatype = WIRE_DATATYPES[self.dtype]
 
     def forward(self, pixel_values: Sequence[torch.Tensor], grid_thw: Sequence[tuple[int, int, int]]
                 ) -> list[torch.Tensor]:

@@ -1,8 +1,15 @@
 """The LLM node: vLLM (vision tower not loaded) fed by a pool of encoder nodes.
 
-Modules: settings (flags + environment), engine (vLLM AsyncLLM host), prompt (chat
-template), coordinator/pool/dns_resolver/embedding_cache (images -> embeddings over the
-encoder pool), patches/cost_model/assignment (how much an image costs and where it goes),
-servicer (GenerateService), server (wiring), metrics, cli, demo, reference (monolithic
-vLLM runner used by tests and benchmarks).
+Where each role lives:
+    server.py       wiring only: engine, coordinator, front doors, health, metrics, drain
+    generation.py   one generation for any front door: embeddings, prompt, vLLM, usage, time split
+    grpc_front.py   the gRPC front door (GenerateService): proto <-> GenerationRequest
+    engine.py       the vLLM AsyncLLM host (also the monolithic reference with the tower loaded)
+    prompt.py       the checkpoint's chat template, one image placeholder per image
+    coordinator/    images -> embeddings over the encoder pool (imports no vLLM)
+    settings.py     LLMSettings from flags and ENCDIS_* variables
+    metrics.py      encdis_llm_* metrics
+    cli.py          `encdis llm`
+    demo.py         `encdis demo`: the whole system on the tiny checkpoint
+    reference.py    monolithic vLLM runs for the equality tests and benchmarks
 """

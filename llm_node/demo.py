@@ -15,20 +15,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
-import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
-READY_PREFIX = "encdis ready "
+from encdis.launcher import NodeProcess
+
 DEFAULT_MODEL_DIR = Path("~/.cache/encdis/tiny-qwen2.5-vl").expanduser()
+# The demo runs offline on the tiny checkpoint; the caller's own settings win.
+NODE_ENV_DEFAULTS = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+                     "TOKENIZERS_PARALLELISM": "false"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -77,57 +77,6 @@ def demo_requests() -> list[tuple[str, list[bytes]]]:
     ]
 
 
-class Child:
-    """One node process: its own session (so its whole group can be killed), stdout watched."""
-
-    def __init__(self, name: str, args: Sequence[str], log_dir: Path) -> None:
-        self.name = name
-        self.log_path = log_dir / f"{name}.log"
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-               "TOKENIZERS_PARALLELISM": "false", **os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "encdis.cli", *args], stdout=subprocess.PIPE,
-                                     stderr=self._log, text=True, env=env, start_new_session=True)
-        self.info: dict | None = None
-        self._ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._log.write(line)
-            self._log.flush()
-            if line.startswith(READY_PREFIX) and self.info is None:
-                self.info = json.loads(line[len(READY_PREFIX):])
-                self._ready.set()
-        self._ready.set()  # exited
-
-    def wait_ready(self, timeout: float) -> str:
-        self._ready.wait(timeout)
-        if self.info is None:
-            tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:])
-            raise RuntimeError(f"{self.name} did not start (exit {self.proc.poll()}); log {self.log_path}:\n{tail}")
-        return f"127.0.0.1:{self.info['grpc_port']}"
-
-    def terminate(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-
-    def stop(self, timeout: float) -> None:
-        """Wait for a terminated child, then kill whatever is left of its process group."""
-        self.terminate()
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.proc.wait()
-        self._log.close()
-
-
 def ensure_checkpoint(model: Path | None) -> Path:
     path = (model or DEFAULT_MODEL_DIR).expanduser()
     if not (path / "config.json").exists():
@@ -148,7 +97,12 @@ async def send_requests(address: str, max_tokens: int) -> tuple[list, list]:
     return [(p, ims, r) for (p, ims), r in zip(reqs, results, strict=True)], encoders
 
 
+RANDOM_WEIGHTS_NOTE = ("note: the tiny checkpoint's weights are random, so its answers are noise by design; "
+                       "they are exactly what the monolithic model answers to the same requests")
+
+
 def print_report(answers: list, encoders: list) -> None:
+    print(RANDOM_WEIGHTS_NOTE)
     for i, (prompt, images, r) in enumerate(answers, 1):
         t = r.timing
         print(f"\n[{i}] {len(images)} image(s): {prompt}")
@@ -169,10 +123,15 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def start_child(name: str, args: list[str], log_dir: Path) -> NodeProcess:
+    env = {k: v for k, v in NODE_ENV_DEFAULTS.items() if k not in os.environ}
+    return NodeProcess(args, env=env, name=name, log_dir=log_dir)
+
+
 def run(args: argparse.Namespace) -> int:
     # SIGTERM takes the Ctrl-C path, so the children are always stopped.
     signal.signal(signal.SIGTERM, _raise_interrupt)
-    children: list[Child] = []
+    children: list[NodeProcess] = []
     log_dir = Path(tempfile.mkdtemp(prefix="encdis-demo-"))
     rc = 1
     try:
@@ -180,19 +139,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"checkpoint: {model}", flush=True)
         t0 = time.monotonic()
         for i in range(args.encoders):
-            children.append(Child(f"encoder-{i}", ["encoder", "--model", str(model), "--host", "127.0.0.1",
-                                                   "--port", "0"], log_dir))
-        addresses = [c.wait_ready(args.start_timeout) for c in children]
-        for c, a in zip(children, addresses, strict=True):
-            print(f"{c.name} ready at {a} (pid {c.proc.pid})", flush=True)
+            children.append(start_child(f"encoder-{i}", ["encoder", "--model", str(model), "--host", "127.0.0.1",
+                                                         "--port", "0"], log_dir))
+        for c in children:
+            c.wait_ready(args.start_timeout)
+        for c in children:
+            print(f"{c.name} ready at {c.address} (pid {c.pid})", flush=True)
         print("starting the LLM node (vLLM, vision tower not loaded) ...", flush=True)
-        llm = Child("llm", ["llm", "--model", str(model), "--host", "127.0.0.1", "--port", "0",
-                            "--encoders", ",".join(addresses)], log_dir)
+        llm = start_child("llm", ["llm", "--model", str(model), "--host", "127.0.0.1", "--port", "0",
+                                  "--encoders", ",".join(c.address for c in children)], log_dir)
         children.append(llm)
-        address = llm.wait_ready(args.start_timeout)
-        print(f"LLM node ready at {address} (pid {llm.proc.pid}, vision-tower parameters in vLLM: "
+        llm.wait_ready(args.start_timeout)
+        print(f"LLM node ready at {llm.address} (pid {llm.pid}, vision-tower parameters in vLLM: "
               f"{llm.info.get('vision_tower_parameters')}) after {time.monotonic() - t0:.0f}s", flush=True)
-        answers, encoders = asyncio.run(send_requests(address, args.max_tokens))
+        answers, encoders = asyncio.run(send_requests(llm.address, args.max_tokens))
         print_report(answers, encoders)
         rc = 0
         return rc
@@ -200,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         print("\ninterrupted: stopping the nodes", file=sys.stderr, flush=True)
         rc = 130
         return rc
-    except Exception as e:  # noqa: BLE001 - report, then clean up below
+    except Exception as e:  # report, then clean up below
         print(f"encdis demo failed: {e}", file=sys.stderr, flush=True)
         return 1
     finally:

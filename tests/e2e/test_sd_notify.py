@@ -28,7 +28,7 @@ from PIL import Image
 
 from encdis.client.encoder_client import EncoderClient
 from encdis.client.pb import encoder_pb2
-from tests.nodes import NodeProcess
+from encdis.launcher import NodeProcess
 
 ENCODER_SERVICE = encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name
 HPA_METRIC = "encdis_encoder_queued_patches"

@@ -27,10 +27,11 @@ from prometheus_client import CollectorRegistry
 from encdis.client.encoder_client import EncoderClient
 from encdis.client.errors import InvalidArgument, Unavailable
 from encdis.client.wire import content_digest
-from encdis.llm_node.coordinator import Coordinator, CoordinatorSettings
-from encdis.llm_node.dns_resolver import Resolver
+from encdis.launcher import NodeProcess
+from encdis.llm_node.coordinator.coordinator import Coordinator, CoordinatorSettings
+from encdis.llm_node.coordinator.discovery import Resolver
 from tests.dns_server import LoopbackDNS
-from tests.nodes import NodeProcess
+from tests.fake_encoder import FakeEncoder
 
 # The tiny checkpoint's processor bounds, sent explicitly so digests match the coordinator's.
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 256
@@ -109,6 +110,24 @@ def states(coord: Coordinator) -> dict[str, str]:
     return {e.address: e.state for e in coord.encoders()}
 
 
+def unread_tcp_bytes(pid: int) -> int:
+    """Bytes the kernel received on `pid`'s TCP sockets that it has not read (Linux /proc)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:["):-1])
+    total = 0
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as fh:
+            for line in fh.read().splitlines()[1:]:
+                fields = line.split()  # sl local remote st tx_queue:rx_queue ... uid timeout inode
+                if fields[9] in inodes:
+                    total += int(fields[4].split(":")[1], 16)
+    return total
+
+
 # -- tests -----------------------------------------------------------------------------------
 
 
@@ -124,13 +143,36 @@ async def test_images_spread_over_both_encoders_and_equal_a_direct_call(pair, ti
     with EncoderClient(a.address) as direct:
         expected = direct.encode(images, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
     assert len(result.images) == len(images)
+    assert result.cached == [False] * len(images)
     for got, want in zip(result.images, expected, strict=True):
-        assert got.grid_thw == want.grid_thw and got.digest == want.digest and not got.cached
+        assert got.grid_thw == want.grid_thw and got.digest == want.digest
         assert got.embeds.shape == (want.shape[0], want.shape[1])
         # Both encoders run the same weights in fp32; only a batch's matmul shapes may differ.
         torch.testing.assert_close(got.embeds, torch.from_numpy(want.array().copy()))
     assert result.wall_seconds > 0
-    assert abs(result.queue_seconds + result.encode_seconds + result.transfer_seconds - result.wall_seconds) < 1e-6
+
+
+async def test_time_split_parts_match_what_the_encoder_did(tiny_ckpt) -> None:
+    """Each part of the split against an independent measure: a fake encoder that reports a
+    known queue and batch time and stalls a known time between an embedding's header and its
+    bytes (so the transfer part is long and the others are not)."""
+    fake = await FakeEncoder(tiny_ckpt).start()
+    fake.queue_seconds, fake.batch_seconds, fake.stall_after_header = 0.25, 0.125, 0.5
+    try:
+        async with coordinator(tiny_ckpt, [fake.address]) as coord:
+            await wait_for(lambda: len(coord.pool.serving()) == 1, what="the fake encoder serving")
+            t0 = time.perf_counter()
+            result = await coord.encode([png(120, 90, seed=11), png(60, 60, seed=12)])
+            wall = time.perf_counter() - t0
+    finally:
+        await fake.stop()
+    assert fake.calls == 1
+    assert result.encode_seconds == 0.125  # the batch time the encoder reported
+    assert result.queue_seconds >= 0.25  # the encoder's queue, plus any wait for an encoder
+    assert result.queue_seconds < 0.25 + 0.2
+    # Two images, each stalled 0.5 s after its header: each receive takes >= 0.5 s, not 1 s.
+    assert 0.5 <= result.transfer_seconds < 0.5 + 0.3
+    assert wall >= 1.0 and abs(result.wall_seconds - wall) < 0.05
 
 
 async def test_encoder_of_another_checkpoint_is_refused_and_gets_no_work(pair, tiny_ckpt) -> None:
@@ -173,9 +215,9 @@ async def test_repeated_image_hits_the_cache_and_identical_in_flight_images_enco
         start = a.metric("encdis_encoder_patches_total")
         first = await coord.encode([image])
         after_first = a.metric("encdis_encoder_patches_total")
-        assert after_first > start and not first.images[0].cached
+        assert after_first > start and first.cached == [False]
         second = await coord.encode([image])
-        assert second.images[0].cached and torch.equal(second.images[0].embeds, first.images[0].embeds)
+        assert second.cached == [True] and torch.equal(second.images[0].embeds, first.images[0].embeds)
         assert a.metric("encdis_encoder_patches_total") == after_first  # no second encode
         assert metric(coord.registry, "encdis_coordinator_cache_hits_total") == 1
         assert metric(coord.registry, "encdis_coordinator_cache_misses_total") == 1
@@ -219,16 +261,19 @@ async def test_a_cancelled_request_hands_its_in_flight_image_to_the_next(pair, t
             await wait_for(lambda: coord.pool.backlog_patches(coord.pool.encoders()[0]) > 0, what="the image in flight")
             assert coord.cache.pending(digest) is not None
             waiter = asyncio.ensure_future(coord.encode([image]))
-            await asyncio.sleep(0.2)
+            # The waiter counts a cache hit when it finds the owner's in-flight encode, then awaits
+            # it: from then on, cancelling the owner hands the image over to the waiter.
+            await wait_for(lambda: metric(coord.registry, "encdis_coordinator_cache_hits_total") == 1,
+                           what="the waiter joining the owner's in-flight encode")
             owner.cancel()  # e.g. the client went away
             with pytest.raises(asyncio.CancelledError):
                 await owner
         finally:
             os.kill(b.pid, signal.SIGCONT)
         result = await asyncio.wait_for(waiter, 60)  # the waiter encoded it itself
-        assert len(result.images) == 1 and not result.images[0].cached
+        assert len(result.images) == 1 and result.cached == [False]
         assert coord.encoders()[0].backlog_patches == 0
-        assert (await coord.encode([image])).images[0].cached
+        assert (await coord.encode([image])).cached == [True]
 
 
 async def test_kill_9_of_an_encoder_mid_request_retries_elsewhere(pair, victim, tiny_ckpt) -> None:
@@ -236,12 +281,13 @@ async def test_kill_9_of_an_encoder_mid_request_retries_elsewhere(pair, victim, 
     images = [png(100 + 20 * i, 140, seed=200 + i) for i in range(8)]
     async with coordinator(tiny_ckpt, [a.address, victim.address]) as coord:
         await wait_for(lambda: len(coord.pool.serving()) == 2, what="both encoders serving")
-        # Freeze the victim so its share is surely still in flight, then kill it.
+        # Freeze the victim so its share is surely still in flight, then kill it once that share
+        # has reached it (image bytes wait unread in its sockets): a kill mid-request.
         os.kill(victim.pid, signal.SIGSTOP)
         task = asyncio.ensure_future(coord.encode(images))
         victim_handle = next(h for h in coord.pool.encoders() if h.address == victim.address)
         await wait_for(lambda: victim_handle.active_calls > 0, what="work assigned to the victim")
-        await asyncio.sleep(0.3)
+        await wait_for(lambda: unread_tcp_bytes(victim.pid) >= 16 * 1024, what="the victim's share reaching it")
         victim.kill()
         result = await asyncio.wait_for(task, 60)
         assert result.retries > 0
@@ -259,7 +305,7 @@ async def test_kill_9_of_an_encoder_mid_request_retries_elsewhere(pair, victim, 
 
 async def test_draining_encoder_leaves_the_rotation(pair, victim, tiny_ckpt, caplog) -> None:
     a, _, _ = pair
-    caplog.set_level(logging.INFO, logger="encdis.llm_node.pool")
+    caplog.set_level(logging.INFO, logger="encdis.llm_node.coordinator.pool")
     async with coordinator(tiny_ckpt, [a.address, victim.address]) as coord:
         await wait_for(lambda: len(coord.pool.serving()) == 2, what="both encoders serving")
         victim.terminate()  # SIGTERM: NOT_SERVING first, then it exits

@@ -13,7 +13,9 @@ import pytest
 from encdis.checkpoint import read_processor_config, text_hidden_size, weights_fingerprint
 from encdis.client.errors import InvalidArgument, Unavailable
 from encdis.llm_node import settings as llm_settings
-from encdis.llm_node.coordinator import Coordinator, CoordinatorSettings, _identity, _Job, _request_numbering
+from encdis.llm_node.coordinator.coordinator import Coordinator, CoordinatorSettings
+from encdis.llm_node.coordinator.dispatch import PendingImage, _request_numbering
+from encdis.llm_node.coordinator.identity import ModelIdentity
 
 
 def test_settings_come_from_the_llm_nodes_flags_and_environment() -> None:
@@ -37,14 +39,15 @@ def test_identity_is_the_checkpoints(tiny_ckpt) -> None:
 
 
 def test_new_style_processor_bounds_are_read() -> None:
-    ident = _identity("f", 128, {"size": {"shortest_edge": 3136, "longest_edge": 12845056}, "patch_size": 14})
+    processor = {"size": {"shortest_edge": 3136, "longest_edge": 12845056}, "patch_size": 14}
+    ident = ModelIdentity.from_processor("f", 128, processor)
     assert (ident.min_pixels, ident.max_pixels) == (3136, 12845056)
     with pytest.raises(ValueError, match="min_pixels"):
-        _identity("f", 128, {"patch_size": 14})
+        ModelIdentity.from_processor("f", 128, {"patch_size": 14})
 
 
 def test_encoder_errors_are_renumbered_to_the_request() -> None:
-    jobs = [_Job(index=3, digest="a", patches=64), _Job(index=5, digest="b", patches=64)]
+    jobs = [PendingImage(index=3, digest="a", patches=64), PendingImage(index=5, digest="b", patches=64)]
     err = _request_numbering(InvalidArgument("image 1: cannot decode PNG: truncated"), jobs)
     assert err.message == "image 5: cannot decode PNG: truncated"
     err = _request_numbering(InvalidArgument("min_pixels 1 is outside [3136, 200704]"), jobs[:1])

@@ -11,8 +11,9 @@ from encdis.client.errors import ResourceExhausted
 from encdis.encoder_node.batcher import Batcher
 from encdis.encoder_node.metrics import EncoderMetrics
 from tests import encoder_images as images
+from tests.needs import require_module
 
-pytest.importorskip("torch")
+require_module("torch")
 
 
 @pytest.fixture(scope="module")

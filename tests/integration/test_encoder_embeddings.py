@@ -16,11 +16,13 @@ import pytest
 from encdis.checkpoint import visual_shards, weights_fingerprint
 from encdis.client import EncoderClient
 from encdis.client.wire import content_digest
+from encdis.encoder_node.image_loader import load as load_image
 from encdis.encoder_node.settings import EncoderSettings
 from tests import encoder_images as images
 from tests.encoder_inproc import InProcessEncoder
+from tests.needs import require_module
 
-torch = pytest.importorskip("torch")
+torch = require_module("torch")
 
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 256  # the tiny checkpoint's processor bounds
 
@@ -38,6 +40,14 @@ def client(node):
 
 
 @pytest.fixture(scope="module")
+def transformers_loader_client(tiny_ckpt):
+    """A node with `--image-loader transformers`: images go to the processor as decoded."""
+    settings = EncoderSettings(model=tiny_ckpt, host="127.0.0.1", port=0, image_loader="transformers")
+    with InProcessEncoder(settings) as n, EncoderClient(n.address, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
 def reference(tiny_ckpt):
     """transformers' full model: image bytes -> (pooler_output rows of that image, grid_thw)."""
     from PIL import Image
@@ -47,8 +57,10 @@ def reference(tiny_ckpt):
     processor = AutoProcessor.from_pretrained(str(tiny_ckpt))
     prompt = "<|vision_start|><|image_pad|><|vision_end|>Describe."
 
-    def features(data: bytes, **kwargs) -> tuple[np.ndarray, tuple[int, ...]]:
-        inputs = processor(text=[prompt], images=[Image.open(io.BytesIO(data))], return_tensors="pt", **kwargs)
+    def features(data: bytes, loader: str = "vllm", **kwargs) -> tuple[np.ndarray, tuple[int, ...]]:
+        """The features of the image as `loader` decodes it (the encoder's default: vLLM's rules)."""
+        image = load_image(Image.open(io.BytesIO(data)), loader)
+        inputs = processor(text=[prompt], images=[image], return_tensors="pt", **kwargs)
         with torch.no_grad():
             out = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
         return out.pooler_output[0].numpy(), tuple(inputs["image_grid_thw"][0].tolist())
@@ -56,19 +68,21 @@ def reference(tiny_ckpt):
     return features
 
 
+@pytest.mark.parametrize("loader", ["vllm", "transformers"])
 @pytest.mark.parametrize("kind", list(images.KINDS))
-def test_embedding_equals_transformers_image_features(kind, client, reference, tiny_ckpt):
+def test_embedding_equals_transformers_image_features(kind, loader, client, transformers_loader_client, reference,
+                                                      tiny_ckpt):
     make, mode = images.KINDS[kind]
     data = make()
     from PIL import Image
 
     assert Image.open(io.BytesIO(data)).mode == mode  # the test covers the kind it claims
-    (emb,) = client.encode([data])
-    ref, grid = reference(data)
+    (emb,) = (client if loader == "vllm" else transformers_loader_client).encode([data])
+    ref, grid = reference(data, loader)
     assert emb.grid_thw == grid
     assert emb.datatype == "FP32" and emb.shape == ref.shape
     np.testing.assert_allclose(emb.array(), ref, rtol=1e-5, atol=1e-5)
-    assert emb.digest == content_digest(data, MIN_PIXELS, MAX_PIXELS, weights_fingerprint(tiny_ckpt))
+    assert emb.digest == content_digest(data, MIN_PIXELS, MAX_PIXELS, weights_fingerprint(tiny_ckpt), loader)
 
 
 def test_several_images_in_one_request_one_forward_equal_one_at_a_time(client, reference):
@@ -152,9 +166,9 @@ def test_pixels_equal_what_vllms_own_processor_feeds_its_tower(tiny_ckpt):
     """vLLM 0.32 loads the processor with AutoProcessor (torchvision Qwen2VLImageProcessor) and, with
     mm_device_do_normalize (its default), skips rescale/normalize on the host and applies them on
     device. Our pixels must be exactly those, normalized: same class, same grid, same values."""
-    pytest.importorskip("vllm")
-    from PIL import Image
+    require_module("vllm")
     from transformers import Qwen2_5_VLProcessor
+    from vllm.multimodal.media.image import ImageMediaIO
     from vllm.transformers_utils.processor import get_processor
 
     from encdis.encoder_node.preprocess import ImagePreprocessor
@@ -165,8 +179,9 @@ def test_pixels_equal_what_vllms_own_processor_feeds_its_tower(tiny_ckpt):
     for make, _mode in images.KINDS.values():
         data = make()
         p = ours.prepare(0, data, MIN_PIXELS, MAX_PIXELS)
-        raw = vllm_proc(images=[Image.open(io.BytesIO(data))], do_rescale=False, do_normalize=False,
-                        return_tensors="pt")
+        # The image as vLLM's serving loader hands it to that processor.
+        image = ImageMediaIO(image_mode="RGB").load_bytes(data).media
+        raw = vllm_proc(images=[image], do_rescale=False, do_normalize=False, return_tensors="pt")
         assert tuple(raw["image_grid_thw"][0].tolist()) == p.grid_thw
         # Undo the patch layout's channel grouping: each row is (channel, temporal, patch, patch).
         mean = torch.tensor(vllm_proc.image_mean).repeat_interleave(2 * 14 * 14)

@@ -3,9 +3,10 @@ and the node stays healthy and serving right after each one."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
-import time
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -36,6 +37,28 @@ def client(node):
 def _health(address: str) -> int:
     with grpc.insecure_channel(address) as ch:
         return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
+
+
+@contextlib.contextmanager
+def forwards_held(n: InProcessEncoder) -> Iterator[threading.Event]:
+    """Inside the block the node's tower forwards wait, so what was admitted stays queued and its
+    call stays in flight for as long as the test needs; the event is set once a forward waits."""
+    batcher = n.node.model.batcher
+    real = batcher._forward
+    entered, gate = threading.Event(), threading.Event()
+
+    def held(*args):
+        entered.set()
+        if not gate.wait(120):
+            raise RuntimeError("forwards_held: the test never let the forward run")
+        return real(*args)
+
+    batcher._forward = held
+    try:
+        yield entered
+    finally:
+        gate.set()
+        batcher._forward = real
 
 
 GOOD = images.rgb_jpeg(64, 48)
@@ -118,13 +141,13 @@ def test_a_full_queue_is_resource_exhausted(tiny_ckpt):
     big = images.near_max_pixels()  # 1024 patches
     with InProcessEncoder(settings) as n, EncoderClient(n.address, timeout=120) as c:
         results: list[object] = []
-        first = threading.Thread(target=lambda: results.append(c.encode([big] * 6)))
-        first.start()
-        deadline = time.monotonic() + 30
-        while n.node.model.batcher.queued_patches == 0 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        with pytest.raises(ResourceExhausted, match="queue is full"):
-            c.encode([big])
+        with forwards_held(n) as forwarding:
+            first = threading.Thread(target=lambda: results.append(c.encode([big] * 6)))
+            first.start()
+            assert forwarding.wait(60), "the first call never reached the tower"
+            assert n.node.model.batcher.queued_patches == 6 * 1024  # held in the tower: still queued
+            with pytest.raises(ResourceExhausted, match="queue is full"):
+                c.encode([big])
         first.join(120)
         assert len(results[0]) == 6
         assert n.node.model.batcher.queued_patches == 0
@@ -143,15 +166,15 @@ def test_calls_beyond_max_concurrent_rpcs_are_resource_exhausted(tiny_ckpt):
     big = images.near_max_pixels()
     with InProcessEncoder(settings) as n, EncoderClient(n.address, timeout=120) as c:
         results: list[object] = []
-        first = threading.Thread(target=lambda: results.append(c.encode([big] * 8)))
-        first.start()
-        deadline = time.monotonic() + 30
-        while n.node.servicer.inflight == 0 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        with pytest.raises(ResourceExhausted, match="1 Encode calls in progress, the limit is 1"):
-            c.encode([GOOD])
-        assert c.describe().weights_fingerprint  # nor is Describe
-        assert _health(n.address) == health_pb2.HealthCheckResponse.SERVING  # probes are not limited
+        with forwards_held(n) as forwarding:
+            first = threading.Thread(target=lambda: results.append(c.encode([big] * 8)))
+            first.start()
+            assert forwarding.wait(60), "the first call never reached the tower"
+            assert n.node.servicer.inflight == 1  # held in the tower: still in progress
+            with pytest.raises(ResourceExhausted, match="1 Encode calls in progress, the limit is 1"):
+                c.encode([GOOD])
+            assert c.describe().weights_fingerprint  # nor is Describe
+            assert _health(n.address) == health_pb2.HealthCheckResponse.SERVING  # probes are not limited
         first.join(120)
         assert len(results[0]) == 8
         assert len(c.encode([GOOD])) == 1  # the limit frees up with the call

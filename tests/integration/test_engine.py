@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from encdis.llm_node.coordinator import ImageEmbedding
 from encdis.llm_node.demo import synthetic_photo
-from encdis.llm_node.engine import EngineHost, ImageEmbedding, SamplingSpec, engine_kwargs
+from encdis.llm_node.engine import EngineHost, SamplingSpec, engine_kwargs
 from encdis.llm_node.prompt import PromptRenderer
 from encdis.llm_node.settings import LLMSettings
 

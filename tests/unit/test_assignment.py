@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from encdis.llm_node.assignment import Backlog, EncoderLoad, assign, vllm_greedy_assignment
-from encdis.llm_node.cost_model import CostModel
+from encdis.llm_node.coordinator.assignment import Backlog, EncoderLoad, assign, vllm_greedy_assignment
+from encdis.llm_node.coordinator.cost_model import CostModel
 
 
 def _random_sizes(rng: random.Random) -> list[int]:

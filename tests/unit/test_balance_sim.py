@@ -1,6 +1,6 @@
 """bench/balance.py --quick: its JSON is what the issue specifies, and encdis clears the issue's bars.
 
-The simulator drives the real policy code (encdis.llm_node.assignment / cost_model / patches) and
+The simulator drives the real policy code (encdis.llm_node.coordinator.assignment / cost_model / patches) and
 vLLM's own balancer, so this is the end-to-end check that the policy beats the baselines. It is a
 simulation of encoder timing (no GPUs, no encoder processes): the real pool cannot run here.
 """

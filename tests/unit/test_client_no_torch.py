@@ -7,7 +7,8 @@ import sys
 import textwrap
 
 import numpy as np
-import pytest
+
+from tests.needs import require_module
 
 # Poisoned modules: `import torch` raises ImportError in the child, as if not installed.
 _BLOCK = "import sys\nfor m in ('torch', 'transformers', 'safetensors', 'PIL', 'vllm'):\n    sys.modules[m] = None\n"
@@ -53,7 +54,7 @@ def test_encode_command_writes_safetensors_without_torch(tmp_path):
         ])
     """)
     assert r.returncode == 0, r.stderr
-    torch = pytest.importorskip("torch")
+    torch = require_module("torch")  # to read the file back with safetensors' torch loader
     from safetensors import safe_open
     from safetensors.torch import load_file
 

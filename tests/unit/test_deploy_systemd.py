@@ -1,7 +1,8 @@
 """The systemd units in deploy/systemd: systemd accepts them, they are hardened, and they configure
 the nodes the way `encdis encoder` / `encdis llm` actually read their settings.
 
-systemd-analyze comes with the `systemd` package (Debian/Ubuntu: `apt-get install systemd`).
+systemd-analyze comes with the `systemd` package (Debian/Ubuntu: `apt-get install systemd`);
+without it the tests that run it skip, or fail under CI (tests/needs.py).
 `verify` checks that ExecStart's binary exists, so the units are verified as copies whose only
 change is /usr/local/bin/encdis -> this environment's `encdis` script.
 """
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from encdis.cli import build_parser
+from tests.needs import require_tool
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "systemd"
 UNITS = {"encoder": "encdis-encoder@.service", "llm": "encdis-llm.service"}
@@ -28,9 +29,10 @@ INSTALLED_BIN = "/usr/local/bin/encdis"
 # network, W+X memory for CUDA/torch JIT, and the full @system-service syscall set.
 SECURITY_THRESHOLD = 2.0
 
-SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
-needs_systemd_analyze = pytest.mark.skipif(
-    SYSTEMD_ANALYZE is None, reason="systemd-analyze is not installed (apt-get install systemd)")
+
+@pytest.fixture(scope="module")
+def systemd_analyze() -> str:
+    return require_tool("systemd-analyze", "apt-get install systemd")
 
 
 def unit_entries(path: Path) -> list[tuple[str, str, str]]:
@@ -118,21 +120,19 @@ def verify_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 UNIT_INSTANCES = ["encdis-encoder@0.service", "encdis-encoder@7.service", "encdis-llm.service"]
 
 
-@needs_systemd_analyze
 @pytest.mark.parametrize("unit", UNIT_INSTANCES)
-def test_systemd_analyze_verify_is_silent(verify_dir: Path, unit: str) -> None:
-    r = subprocess.run([SYSTEMD_ANALYZE, "verify", "--man=no", str(verify_dir / unit)],
+def test_systemd_analyze_verify_is_silent(systemd_analyze: str, verify_dir: Path, unit: str) -> None:
+    r = subprocess.run([systemd_analyze, "verify", "--man=no", str(verify_dir / unit)],
                        capture_output=True, text=True, timeout=60, cwd=verify_dir)
     assert r.returncode == 0, f"verify failed ({r.returncode}):\n{r.stderr}{r.stdout}"
     assert r.stderr == "", f"verify printed warnings:\n{r.stderr}"
     assert r.stdout == ""
 
 
-@needs_systemd_analyze
 @pytest.mark.parametrize("unit", UNIT_INSTANCES)
-def test_systemd_analyze_security_is_under_threshold(verify_dir: Path, unit: str) -> None:
+def test_systemd_analyze_security_is_under_threshold(systemd_analyze: str, verify_dir: Path, unit: str) -> None:
     r = subprocess.run(
-        [SYSTEMD_ANALYZE, "security", "--offline=yes", "--no-pager", f"--threshold={int(SECURITY_THRESHOLD * 10)}",
+        [systemd_analyze, "security", "--offline=yes", "--no-pager", f"--threshold={int(SECURITY_THRESHOLD * 10)}",
          str(verify_dir / unit)],
         capture_output=True, text=True, timeout=60, cwd=verify_dir)
     m = re.search(r"Overall exposure level for \S+: (\d+(?:\.\d+)?)", r.stdout)

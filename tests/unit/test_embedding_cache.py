@@ -7,11 +7,12 @@ import asyncio
 import pytest
 import torch
 
-from encdis.llm_node.embedding_cache import CachedEmbedding, ClaimAbandoned, EmbeddingCache
+from encdis.llm_node.coordinator.embedding_cache import ClaimAbandoned, EmbeddingCache
+from encdis.llm_node.coordinator.records import ImageEmbedding
 
 
-def entry(digest: str, rows: int, hidden: int = 4) -> CachedEmbedding:
-    return CachedEmbedding(embeds=torch.zeros(rows, hidden), grid_thw=(1, 2, 2 * rows), digest=digest)
+def entry(digest: str, rows: int, hidden: int = 4) -> ImageEmbedding:
+    return ImageEmbedding(embeds=torch.zeros(rows, hidden), grid_thw=(1, 2, 2 * rows), digest=digest)
 
 
 def test_lru_evicts_least_recently_used_within_the_byte_budget() -> None:

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from encdis.llm_node.patches import grid_for_image, image_size_from_header, patches_for_image
+from encdis.image_header import read_header
+from encdis.llm_node.coordinator.patches import grid_for_image, patches_for_image
 
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 256  # the tiny checkpoint's processor bounds
 
@@ -36,6 +37,11 @@ def test_qwen25_vl_bounds_give_the_design_md_sizes() -> None:
     assert patches_for_image(1920, 1080, **bounds) == 10764  # 1080p: 78 x 138 patches
     assert patches_for_image(3840, 2160, **bounds) == 42196  # 4K: 154 x 274 patches
     assert patches_for_image(64, 64, **bounds) == 16  # icons are scaled up to min_pixels
+
+
+def image_size_from_header(data: bytes) -> tuple[int, int]:
+    header = read_header(data)
+    return header.width, header.height
 
 
 @pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "GIF", "BMP"])

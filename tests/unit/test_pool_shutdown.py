@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from encdis.llm_node.pool import _cancel_and_wait
+from encdis.llm_node.coordinator.pool import _cancel_and_wait
 
 
 async def test_a_caller_cancelled_while_waiting_for_a_cancelled_task_is_cancelled_too():

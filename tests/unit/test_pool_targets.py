@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from encdis.client.encoder_client import EncoderDescription
-from encdis.llm_node.dns_resolver import Resolver, is_ip_literal, join_host_port, split_host_port
-from encdis.llm_node.pool import ModelIdentity, refusal_reason
+from encdis.llm_node.coordinator.discovery import Resolver, is_ip_literal, join_host_port, split_host_port
+from encdis.llm_node.coordinator.identity import ModelIdentity, refusal_reason
 
 
 @pytest.mark.parametrize(
@@ -53,7 +53,7 @@ DESCRIPTION = EncoderDescription(
     vision_config={}, out_hidden_size=128, weights_fingerprint="ab" * 32, device="cpu", datatype="FP32",
     max_batch_patches=16384, max_images_per_request=64, max_image_bytes=1 << 25, max_image_pixels=1 << 26,
     min_pixels=3136, max_pixels=200704, patch_size=14, merge_size=2, temporal_patch_size=2, boot_id="b",
-    hostname="h", version="0", max_chunk_bytes=1 << 22,
+    hostname="h", version="0", max_chunk_bytes=1 << 22, image_loader="vllm",
 )
 
 

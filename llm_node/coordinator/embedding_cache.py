@@ -18,24 +18,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
-
-
-@dataclass(frozen=True)
-class CachedEmbedding:
-    """One image's embedding as the LLM consumes it."""
-
-    embeds: torch.Tensor  # (num_tokens, hidden_size), read-only by convention
-    grid_thw: tuple[int, int, int]
-    digest: str
-
-    @property
-    def nbytes(self) -> int:
-        return self.embeds.numel() * self.embeds.element_size()
+from .records import ImageEmbedding
 
 
 class ClaimAbandoned(Exception):
@@ -52,9 +36,9 @@ class EmbeddingCache:
         if max_bytes < 0:
             raise ValueError(f"cache size must be >= 0 bytes, got {max_bytes}")
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[str, CachedEmbedding] = OrderedDict()
+        self._entries: OrderedDict[str, ImageEmbedding] = OrderedDict()
         self._bytes = 0
-        self._pending: dict[str, asyncio.Future[CachedEmbedding]] = {}
+        self._pending: dict[str, asyncio.Future[ImageEmbedding]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -66,14 +50,14 @@ class EmbeddingCache:
     def size_bytes(self) -> int:
         return self._bytes
 
-    def get(self, digest: str) -> CachedEmbedding | None:
+    def get(self, digest: str) -> ImageEmbedding | None:
         """The stored embedding (now the most recently used), or None."""
         entry = self._entries.get(digest)
         if entry is not None:
             self._entries.move_to_end(digest)
         return entry
 
-    def put(self, entry: CachedEmbedding) -> bool:
+    def put(self, entry: ImageEmbedding) -> bool:
         """Store `entry`, evicting the least recently used; False if it alone exceeds the budget."""
         size = entry.nbytes
         if size > self.max_bytes:
@@ -88,21 +72,21 @@ class EmbeddingCache:
             self._bytes -= evicted.nbytes
         return True
 
-    def pending(self, digest: str) -> asyncio.Future[CachedEmbedding] | None:
+    def pending(self, digest: str) -> asyncio.Future[ImageEmbedding] | None:
         """The future of an encode of this digest already in flight, or None."""
         return self._pending.get(digest)
 
-    def claim(self, digest: str) -> asyncio.Future[CachedEmbedding]:
+    def claim(self, digest: str) -> asyncio.Future[ImageEmbedding]:
         """Mark `digest` as being encoded by the caller; others will wait on the returned future."""
         if digest in self._pending:
             raise RuntimeError(f"digest {digest[:12]} is already being encoded")
-        fut: asyncio.Future[CachedEmbedding] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[ImageEmbedding] = asyncio.get_running_loop().create_future()
         # A failed claim nobody waited on must not log "exception was never retrieved".
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._pending[digest] = fut
         return fut
 
-    def fulfil(self, entry: CachedEmbedding) -> None:
+    def fulfil(self, entry: ImageEmbedding) -> None:
         """The claimed image is encoded: store it and wake its waiters."""
         self.put(entry)
         fut = self._pending.pop(entry.digest, None)
@@ -114,7 +98,3 @@ class EmbeddingCache:
         fut = self._pending.pop(digest, None)
         if fut is not None and not fut.done():
             fut.set_exception(exc)
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self._bytes = 0

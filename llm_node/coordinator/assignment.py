@@ -55,7 +55,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
-from encdis.llm_node.cost_model import CostModel
+from encdis.llm_node.coordinator.cost_model import CostModel
 
 
 @dataclass(frozen=True)

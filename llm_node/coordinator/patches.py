@@ -1,11 +1,11 @@
 """Patch counts of images, as the coordinator needs them before any encoder sees the image.
 
-Role: the coordinator reads an image's size from its header (no pixel decoding) and turns it into
-the number of ViT patches the encoder will run, with the processor's own `smart_resize` (reused
-from transformers, not re-derived), so the cost model sees exactly the N the encoder will.
+Role: the coordinator reads an image's size from its header (encdis.image_header, no pixel
+decoding) and turns it into the number of ViT patches the encoder will run, with the
+processor's own `smart_resize` (reused from transformers, not re-derived), so the cost model
+sees exactly the N the encoder will.
 
 API (stable):
-    image_size_from_header(data: bytes) -> (width, height)     raises ValueError on garbage
     patches_for_image(width, height, *, min_pixels, max_pixels, patch_size=14, merge_size=2,
                       temporal_patch_size=2) -> int             N = grid_t * grid_h * grid_w
     grid_for_image(...) -> (grid_t, grid_h, grid_w)             the same, as vLLM's image_grid_thw
@@ -13,9 +13,7 @@ API (stable):
 
 from __future__ import annotations
 
-import io
 import math
-import warnings
 from collections.abc import Callable
 from functools import lru_cache
 
@@ -23,7 +21,7 @@ from functools import lru_cache
 @lru_cache(maxsize=1)
 def _smart_resize() -> Callable[..., tuple[int, int]]:
     # Imported on first use: transformers pulls in torch, and this module must stay light for the
-    # simulator and for `import encdis.llm_node.patches`.
+    # simulator and for `import encdis.llm_node.coordinator.patches`.
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
     return smart_resize
@@ -71,26 +69,3 @@ def patches_for_image(
         temporal_patch_size=temporal_patch_size,
     )
     return t * h * w
-
-
-def image_size_from_header(data: bytes) -> tuple[int, int]:
-    """(width, height) of an encoded image, read from its header without decoding the pixels."""
-    from PIL import Image, UnidentifiedImageError
-
-    if not data:
-        raise ValueError("empty image data")
-    try:
-        with warnings.catch_warnings():
-            # The size alone is harmless; the encoder enforces its own pixel limits when decoding.
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as image:
-                width, height = image.size
-    except UnidentifiedImageError:
-        raise ValueError("not a recognised image format (PIL cannot identify the header)") from None
-    except Image.DecompressionBombError as exc:
-        raise ValueError(f"image too large: {exc}") from None
-    except (OSError, SyntaxError, EOFError) as exc:  # truncated or corrupt headers
-        raise ValueError(f"corrupt image header: {exc}") from None
-    if width <= 0 or height <= 0:
-        raise ValueError(f"image has no pixels ({width}x{height})")
-    return width, height

@@ -9,7 +9,6 @@ API (stable; the coordinator and bench/balance.py use it):
     CostModel.prior(device_flops=..., ...) -> CostModel     DESIGN.md's prior
     CostModel(c0, c1, c2, settings=FitSettings())            any prior
     model.predict(patches: int) -> float                     seconds for one image
-    model.predict_batch(patches: Sequence[int]) -> float     seconds for one batch
     model.observe(batch_patches: Sequence[int], seconds: float) -> None
         (a batch reported again, e.g. once with each of its images' embeddings, is ignored:
         repeats of the last SEEN_BATCHES (patch counts, seconds) pairs count once)
@@ -147,10 +146,6 @@ class CostModel:
         c0, c1, c2 = self._coef
         n = float(patches)
         return c0 + c1 * n + c2 * n * n
-
-    def predict_batch(self, batch_patches: Sequence[int]) -> float:
-        """Predicted seconds of one batch: the sum over its images."""
-        return sum(self.predict(n) for n in batch_patches)
 
     # ---- learning ------------------------------------------------------------------------------
 

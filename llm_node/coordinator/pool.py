@@ -3,18 +3,9 @@
 Targets are static addresses or DNS names with a port (a Kubernetes headless Service
 resolves to every encoder pod); names are re-resolved every `refresh_seconds`, so new
 encoders join without a restart and addresses that vanish leave once idle. Each encoder
-gets one grpc.aio channel, an AsyncEncoderClient and a watcher task that follows
-grpc.health.v1 `Watch` on the EncoderService and reconnects with backoff.
-
-Every time an encoder (re)becomes SERVING it is `Describe`d first: one whose weights
-fingerprint, embedding hidden size or image-processor geometry differs from the LLM
-checkpoint's is REFUSED (logged at WARNING with the reason, never routed to), because a
-mismatched encoder gives wrong answers silently.
-
-States: connecting (no health answer yet, or NOT_SERVING from a node not seen serving since
-the connection was made: still loading), serving (the only routable state), draining
-(health NOT_SERVING), unhealthy (unreachable, watch broken, or a call just failed),
-refused (model mismatch).
+is an EncoderHandle (handle.py) with one grpc.aio channel, and a task following its health
+(health.py: Watch, Describe, refusal of a mismatched model). The pool also keeps the
+outstanding work per encoder that the assignment policy reads (`loads`).
 """
 
 from __future__ import annotations
@@ -23,108 +14,15 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from encdis.client.encoder_client import CHANNEL_OPTIONS, AsyncEncoderClient, EncoderDescription
-from encdis.client.errors import EncdisError
-
 from .assignment import Backlog, EncoderLoad
-from .dns_resolver import Resolver, is_ip_literal, join_host_port, split_host_port
+from .discovery import Resolver, is_ip_literal, join_host_port, split_host_port
+from .handle import EncoderHandle, EncoderState
+from .health import HealthWatcher
+from .identity import ModelIdentity
 
 log = logging.getLogger(__name__)
-
-ENCODER_SERVICE = "encdis.encoder.v1.EncoderService"
-
-# Reconnect quickly after an encoder restarts: gRPC's default backoff grows to 120 s.
-POOL_CHANNEL_OPTIONS = [
-    *CHANNEL_OPTIONS,
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-]
-WATCH_BACKOFF_MIN_S = 0.1
-WATCH_BACKOFF_MAX_S = 2.0
-
-
-class EncoderState(str, Enum):
-    CONNECTING = "connecting"
-    SERVING = "serving"
-    DRAINING = "draining"
-    UNHEALTHY = "unhealthy"
-    REFUSED = "refused"
-
-
-@dataclass(frozen=True)
-class ModelIdentity:
-    """What an encoder must match to be routed to: the LLM checkpoint's tower and processor."""
-
-    weights_fingerprint: str
-    hidden_size: int
-    min_pixels: int
-    max_pixels: int
-    patch_size: int = 14
-    merge_size: int = 2
-    temporal_patch_size: int = 2
-
-
-def refusal_reason(desc: EncoderDescription, want: ModelIdentity) -> str | None:
-    """Why this encoder must not serve the LLM checkpoint, or None if it matches."""
-    if desc.weights_fingerprint != want.weights_fingerprint:
-        return (f"weights_fingerprint {desc.weights_fingerprint[:16]}... differs from the LLM checkpoint's "
-                f"{want.weights_fingerprint[:16]}... (another checkpoint)")
-    if desc.out_hidden_size != want.hidden_size:
-        return f"out_hidden_size {desc.out_hidden_size} differs from the LLM's hidden size {want.hidden_size}"
-    for name in ("patch_size", "merge_size", "temporal_patch_size"):
-        got, expected = getattr(desc, name), getattr(want, name)
-        if got and got != expected:
-            return f"{name} {got} differs from the LLM checkpoint's {expected}"
-    # The coordinator sends the checkpoint's resize bounds with every request.
-    if desc.min_pixels and desc.min_pixels > want.min_pixels:
-        return f"its min_pixels {desc.min_pixels} is above the LLM checkpoint's {want.min_pixels}"
-    if desc.max_pixels and desc.max_pixels < want.max_pixels:
-        return f"its max_pixels {desc.max_pixels} is below the LLM checkpoint's {want.max_pixels}"
-    return None
-
-
-class EncoderHandle:
-    """One encoder address: its connection, state, cost model and the work it holds."""
-
-    def __init__(self, address: str, name: str, cost_model: Any) -> None:
-        self.address = address
-        self.names: set[str] = set(name.split(","))
-        self.state = EncoderState.CONNECTING
-        self.reason = ""
-        self.description: EncoderDescription | None = None
-        self.cost_model = cost_model
-        self.channel = grpc.aio.insecure_channel(address, options=POOL_CHANNEL_OPTIONS)
-        self.client = AsyncEncoderClient(address, channel=self.channel)
-        self.assigned_patches = 0
-        self.assigned_images = 0
-        self.active_calls = 0
-        self.gone = False  # its DNS name no longer lists it; removed once idle
-        # Its health is being (re)established: a request may wait a little for the outcome.
-        self.settling = True
-        # It said SERVING since the connection last broke: a later NOT_SERVING means draining,
-        # while NOT_SERVING from a node not seen serving means it is (re)starting: loading.
-        self.was_serving = False
-        self._kick = asyncio.Event()
-        self._task: asyncio.Task | None = None
-
-    @property
-    def name(self) -> str:
-        return ",".join(sorted(self.names))
-
-    @property
-    def routable(self) -> bool:
-        return self.state is EncoderState.SERVING and not self.gone
-
-    def __repr__(self) -> str:
-        return f"<encoder {self.address} {self.state.value}{': ' + self.reason if self.reason else ''}>"
 
 
 class EncoderPool:
@@ -144,14 +42,14 @@ class EncoderPool:
     ) -> None:
         self.targets = [(t.strip(), *split_host_port(t)) for t in targets if t.strip()]
         self.identity = identity
+        self._watcher = HealthWatcher(identity, describe_timeout, self._set)
         self.cost_model_factory = cost_model_factory
         self.resolver = resolver or Resolver()
         self.refresh_seconds = refresh_seconds
-        self.describe_timeout = describe_timeout
         self.on_change = on_change
         self.on_remove = on_remove  # called with the address of an encoder that left the pool
         self._handles: dict[str, EncoderHandle] = {}
-        # Outstanding work per encoder address (H2's tracker: decays while work is in flight).
+        # Outstanding work per encoder address (decays while work is in flight).
         self._backlog = Backlog()
         self._changed = asyncio.Event()
         self._refresh_task: asyncio.Task | None = None
@@ -248,7 +146,7 @@ class EncoderPool:
             # Reconnect and re-Describe now rather than trusting the old watch stream; requests
             # may wait for the outcome (a transient reset should not fail them).
             h.settling = True
-        h._kick.set()
+        h.kick.set()
 
     # -- membership ------------------------------------------------------------------
 
@@ -288,13 +186,13 @@ class EncoderPool:
             await asyncio.sleep(self.refresh_seconds)
             try:
                 await self.refresh()
-            except Exception:  # noqa: BLE001 - a refresh must never kill the loop
+            except Exception:  # a refresh must never kill the loop
                 log.exception("refreshing the encoder pool failed")
 
     def _add(self, address: str, name: str) -> EncoderHandle:
         h = EncoderHandle(address, name, self.cost_model_factory())
         self._handles[address] = h
-        h._task = asyncio.create_task(self._watch_loop(h), name=f"encdis-watch-{address}")
+        h.watch_task = asyncio.create_task(self._watcher.run(h), name=f"encdis-watch-{address}")
         log.info("encoder %s joins the pool (from %s)", address, name)
         self._notify()
         return h
@@ -304,8 +202,8 @@ class EncoderPool:
             return
         del self._handles[h.address]
         self._backlog.forget(h.address)
-        if h._task is not None:
-            await _cancel_and_wait(h._task)
+        if h.watch_task is not None:
+            await _cancel_and_wait(h.watch_task)
         await h.channel.close()
         if not self._stopped:
             log.info("encoder %s left the pool", h.address)
@@ -333,77 +231,6 @@ class EncoderPool:
         if self.on_change is not None:
             self.on_change()
 
-    async def _watch_loop(self, h: EncoderHandle) -> None:
-        backoff = WATCH_BACKOFF_MIN_S
-        while True:
-            h._kick.clear()
-            watch = asyncio.create_task(self._watch_once(h))
-            kick = asyncio.create_task(h._kick.wait())
-            try:
-                await asyncio.wait({watch, kick}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                kick.cancel()
-                if not watch.done():
-                    watch.cancel()
-                await asyncio.wait({watch})  # its outcome is read below; never raises here
-            got_answer = False
-            if not watch.cancelled():
-                # The connection broke: whatever answers next may be a restarted node (loading).
-                h.was_serving = False
-                exc = watch.exception()
-                if exc is None:
-                    got_answer = watch.result()
-                    self._set(h, EncoderState.UNHEALTHY, "health watch ended")
-                else:
-                    got_answer = getattr(exc, "got_answer", False)
-                    self._set(h, EncoderState.UNHEALTHY, _describe_error(exc))
-            backoff = WATCH_BACKOFF_MIN_S if got_answer else min(backoff * 2, WATCH_BACKOFF_MAX_S)
-            await asyncio.sleep(backoff)
-
-    async def _watch_once(self, h: EncoderHandle) -> bool:
-        """Follow one health Watch stream; True if it delivered any status."""
-        stub = health_pb2_grpc.HealthStub(h.channel)
-        described = False  # the process behind the address may have changed since the last stream
-        got_answer = False
-        refusal: str | None = None  # why the node behind this stream must not be routed to
-        call = stub.Watch(health_pb2.HealthCheckRequest(service=ENCODER_SERVICE))
-        try:
-            async for resp in call:
-                got_answer = True
-                status = resp.status
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    h.was_serving = True
-                    if not described:
-                        try:
-                            desc = await h.client.describe(timeout=self.describe_timeout)
-                        except EncdisError as e:
-                            e.got_answer = True  # type: ignore[attr-defined]
-                            raise
-                        described = True
-                        h.description = desc
-                        refusal = refusal_reason(desc, self.identity)
-                        if refusal is not None and (h.state is not EncoderState.REFUSED or h.reason != refusal):
-                            log.warning("encoder %s refused: %s", h.address, refusal)
-                    if refusal is not None:
-                        self._set(h, EncoderState.REFUSED, refusal)
-                        continue
-                    self._set(h, EncoderState.SERVING)
-                elif status == health_pb2.HealthCheckResponse.NOT_SERVING:
-                    if not h.was_serving:
-                        self._set(h, EncoderState.CONNECTING, "health NOT_SERVING: still loading")
-                    elif h.state is not EncoderState.REFUSED:
-                        self._set(h, EncoderState.DRAINING, "health NOT_SERVING")
-                elif status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN:
-                    self._set(h, EncoderState.UNHEALTHY, f"health service does not know {ENCODER_SERVICE}")
-                else:
-                    self._set(h, EncoderState.UNHEALTHY, "health status UNKNOWN")
-        except grpc.aio.AioRpcError as e:
-            e.got_answer = got_answer  # type: ignore[attr-defined]
-            raise
-        finally:
-            call.cancel()
-        return got_answer
-
 
 async def _cancel_and_wait(task: asyncio.Task) -> None:
     """Cancel `task` and wait until it has finished.
@@ -414,14 +241,6 @@ async def _cancel_and_wait(task: asyncio.Task) -> None:
     """
     task.cancel()
     await asyncio.wait({task})
-
-
-def _describe_error(exc: BaseException) -> str:
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return f"health watch: {exc.code().name}: {exc.details()}"
-    if isinstance(exc, EncdisError):
-        return f"describe failed: {exc}"
-    return f"health watch: {exc!r}"
 
 
 def states_count(handles: Iterable[EncoderHandle]) -> dict[str, int]:

@@ -1,0 +1,71 @@
+"""Model identity: what an encoder must match to serve the LLM checkpoint.
+
+An encoder whose tower weights, embedding hidden size or image-processor geometry differs
+from the LLM checkpoint's gives wrong answers silently, so the pool refuses it
+(`refusal_reason`) rather than routing to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from encdis.client.encoder_client import EncoderDescription
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """The LLM checkpoint's tower and processor, as encoders are checked against them."""
+
+    weights_fingerprint: str
+    hidden_size: int
+    min_pixels: int
+    max_pixels: int
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    image_loader: str = "vllm"
+
+    @classmethod
+    def from_processor(cls, fingerprint: str, hidden_size: int, processor: Mapping[str, Any],
+                       image_loader: str = "vllm") -> ModelIdentity:
+        """From the checkpoint's preprocessor config (old- and new-style resize bounds)."""
+        cfg = dict(processor)
+        size = cfg.get("size") or {}
+        min_pixels = cfg.get("min_pixels") or size.get("shortest_edge")
+        max_pixels = cfg.get("max_pixels") or size.get("longest_edge")
+        if not min_pixels or not max_pixels:
+            raise ValueError("the image processor config has neither min_pixels/max_pixels nor size bounds")
+        return cls(
+            weights_fingerprint=fingerprint,
+            hidden_size=int(hidden_size),
+            min_pixels=int(min_pixels),
+            max_pixels=int(max_pixels),
+            patch_size=int(cfg.get("patch_size", 14)),
+            merge_size=int(cfg.get("merge_size", 2)),
+            temporal_patch_size=int(cfg.get("temporal_patch_size", 2)),
+            image_loader=image_loader,
+        )
+
+
+def refusal_reason(desc: EncoderDescription, want: ModelIdentity) -> str | None:
+    """Why this encoder must not serve the LLM checkpoint, or None if it matches."""
+    if desc.weights_fingerprint != want.weights_fingerprint:
+        return (f"weights_fingerprint {desc.weights_fingerprint[:16]}... differs from the LLM checkpoint's "
+                f"{want.weights_fingerprint[:16]}... (another checkpoint)")
+    if desc.out_hidden_size != want.hidden_size:
+        return f"out_hidden_size {desc.out_hidden_size} differs from the LLM's hidden size {want.hidden_size}"
+    for name in ("patch_size", "merge_size", "temporal_patch_size"):
+        got, expected = getattr(desc, name), getattr(want, name)
+        if got and got != expected:
+            return f"{name} {got} differs from the LLM checkpoint's {expected}"
+    if desc.image_loader != want.image_loader:
+        return (f"image_loader {desc.image_loader or 'unreported'!r} differs from the LLM node's "
+                f"{want.image_loader!r} (the same image would give other embeddings)")
+    # The coordinator sends the checkpoint's resize bounds with every request.
+    if desc.min_pixels and desc.min_pixels > want.min_pixels:
+        return f"its min_pixels {desc.min_pixels} is above the LLM checkpoint's {want.min_pixels}"
+    if desc.max_pixels and desc.max_pixels < want.max_pixels:
+        return f"its max_pixels {desc.max_pixels} is below the LLM checkpoint's {want.max_pixels}"
+    return None

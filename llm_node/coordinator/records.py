@@ -1,0 +1,61 @@
+"""What the coordinator hands out: embeddings, a request's result, an encoder's status."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class ImageEmbedding:
+    """One image's embedding as vLLM takes it: (tokens, hidden) rows, its patch grid, its uuid.
+
+    The same object is cached and shared by every request that hits it: read-only.
+    """
+
+    embeds: torch.Tensor = field(repr=False)  # (num_tokens, hidden_size)
+    grid_thw: tuple[int, int, int]
+    digest: str  # content digest; also vLLM's multimodal uuid
+
+    @property
+    def nbytes(self) -> int:
+        return self.embeds.numel() * self.embeds.element_size()
+
+
+@dataclass(frozen=True)
+class EncodeResult:
+    """A request's embeddings in image order, and where its encode time went.
+
+    queue_seconds: waiting for a usable encoder and in the encoders' queues;
+    encode_seconds: the longest tower forward among the request's batches;
+    transfer_seconds: from the first header of an embedding to its last byte as a tensor,
+    the longest over the request's calls (the wire and the receiver's work);
+    wall_seconds: the whole of Coordinator.encode. Each is measured on its own, so they need
+    not add up to the wall time (calls overlap; hashing and probing are in none of them).
+    """
+
+    images: list[ImageEmbedding]
+    cached: list[bool]  # per image: True when no encode was done for it in this request
+    queue_seconds: float = 0.0
+    encode_seconds: float = 0.0
+    transfer_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    retries: int = 0
+
+
+@dataclass(frozen=True)
+class EncoderStatus:
+    """One encoder as ListEncoders reports it."""
+
+    address: str
+    name: str
+    state: str
+    reason: str
+    backlog_seconds: float
+    backlog_patches: int
+    patches_per_second: float
+    assigned_patches: int
+    assigned_images: int

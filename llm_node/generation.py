@@ -1,0 +1,152 @@
+"""One generation, whichever front door it came through: images -> embeddings -> vLLM -> deltas.
+
+Both front doors (gRPC GenerateService, OpenAI-compatible HTTP) turn their request into a
+GenerationRequest (chat messages whose image parts are placeholders, the image bytes in
+the same order, sampling) and relay the Steps this yields; so they share the engine, the
+coordinator, the limits, the drain and the metrics. The last step carries usage and the
+time split (queue, encode, transfer: the coordinator's; prefill, decode: the engine's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from encdis.client.errors import InvalidArgument, Unavailable
+from encdis.llm_node.coordinator import Coordinator, ImageEmbedding
+from encdis.llm_node.engine import EngineHost, SamplingSpec
+from encdis.llm_node.metrics import LLMNodeMetrics
+from encdis.llm_node.prompt import PromptRenderer
+from encdis.llm_node.settings import LLMSettings
+from encdis.serving import InFlight
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    messages: list[dict[str, Any]]  # chat turns; each image part is {"type": "image"}, in image order
+    images: Sequence[bytes]
+    sampling: SamplingSpec
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    image_tokens: int
+    images: int
+    cached_images: int
+
+
+@dataclass(frozen=True)
+class Step:
+    """Text and token ids since the previous step; the last one has `finished` and the totals."""
+
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str = ""
+    usage: Usage | None = None
+    timing: dict[str, float] = field(default_factory=dict)  # seconds per part of the split, on the last step
+
+
+def validate_images(images: Sequence[bytes], settings: LLMSettings) -> None:
+    if len(images) > settings.max_images_per_request:
+        raise InvalidArgument(f"{len(images)} images in one request; the limit is {settings.max_images_per_request}")
+    for i, im in enumerate(images):
+        if not im:
+            raise InvalidArgument(f"image {i}: empty")
+        if len(im) > settings.max_image_bytes:
+            raise InvalidArgument(f"image {i}: {len(im)} bytes exceeds the limit {settings.max_image_bytes}")
+
+
+class GenerationService:
+    """The node's one path from a request to tokens."""
+
+    def __init__(self, settings: LLMSettings, engine: EngineHost, coordinator: Coordinator,
+                 renderer: PromptRenderer, metrics: LLMNodeMetrics) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.coordinator = coordinator
+        self.renderer = renderer
+        self.metrics = metrics
+        self.draining = False
+        self._calls = InFlight(metrics.in_flight)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True when no generation is in flight (within `timeout`)."""
+        return await self._calls.wait_idle(timeout)
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[Step]:
+        """The request's steps; errors are encdis.client.errors exceptions."""
+        if self.draining:
+            raise Unavailable("the LLM node is draining; send the request to another node")
+        code = "OK"
+        with self._calls.track():
+            try:
+                async for step in self._generate(req):
+                    yield step
+            except (asyncio.CancelledError, GeneratorExit):
+                code = "CANCELLED"
+                raise
+            except Exception as e:
+                code = getattr(getattr(e, "code", None), "name", "INTERNAL")
+                raise
+            finally:
+                self.metrics.requests.labels(code).inc()
+
+    async def _generate(self, req: GenerationRequest) -> AsyncIterator[Step]:
+        t_start = time.monotonic()
+        images = list(req.images)
+        validate_images(images, self.settings)
+        self.metrics.images.inc(len(images))
+
+        embedded: list[ImageEmbedding] = []
+        queue_s = encode_s = transfer_s = 0.0
+        cached = 0
+        if images:
+            result = await self.coordinator.encode(images)
+            embedded = result.images
+            cached = sum(result.cached)
+            queue_s, encode_s, transfer_s = result.queue_seconds, result.encode_seconds, result.transfer_seconds
+        prompt = self.renderer.render_messages(req.messages)
+        image_tokens = sum(int(e.embeds.shape[0]) for e in embedded)
+        sampling = req.sampling
+        if sampling.max_tokens is None:
+            # Each image's one placeholder token expands to its embedding's rows.
+            prompt_len = len(self.renderer.tokenizer(prompt, add_special_tokens=False).input_ids)
+            left = self.settings.max_model_len - (prompt_len + image_tokens - len(embedded))
+            if left <= 0:
+                raise InvalidArgument(f"the prompt's {prompt_len + image_tokens - len(embedded)} tokens leave no room "
+                                      f"in the context length {self.settings.max_model_len}")
+            sampling = dataclasses.replace(sampling, max_tokens=left)
+
+        t_submit = time.monotonic()
+        t_first: float | None = None
+        completion = 0
+        prompt_tokens = 0
+        async for d in self.engine.generate(prompt, sampling, images=embedded, request_id=req.request_id):
+            now = time.monotonic()
+            if t_first is None and d.token_ids:
+                t_first = now
+                self.metrics.ttft.observe(now - t_start)
+            completion += len(d.token_ids)
+            prompt_tokens = d.prompt_tokens or prompt_tokens
+            if not d.finished:
+                yield Step(text=d.text, token_ids=d.token_ids)
+                continue
+            first = t_first if t_first is not None else now
+            split = dict(queue=queue_s, encode=encode_s, transfer=transfer_s,
+                         prefill=first - t_submit, decode=now - first, total=now - t_start)
+            self.metrics.observe_split(**split)
+            self.metrics.prompt_tokens.inc(prompt_tokens)
+            self.metrics.image_tokens.inc(image_tokens)
+            self.metrics.completion_tokens.inc(completion)
+            usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, image_tokens=image_tokens,
+                          images=len(images), cached_images=cached)
+            yield Step(text=d.text, token_ids=d.token_ids, finished=True, finish_reason=d.finish_reason or "",
+                       usage=usage, timing={k: max(0.0, v) for k, v in split.items()})

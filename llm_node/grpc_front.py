@@ -1,0 +1,107 @@
+"""The gRPC front door (GenerateService): proto <-> GenerationRequest, and sampling checks.
+
+A Generate call is one user turn (the images, then the prompt) handed to the node's
+GenerationService (generation.py), whose steps are relayed as they come; the last message
+carries usage and the time split. Errors are encdis.client.errors exceptions; the shared
+interceptor maps them to status codes.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from encdis.client.errors import InvalidArgument
+from encdis.client.pb import llm_pb2, llm_pb2_grpc
+from encdis.llm_node.coordinator import Coordinator
+from encdis.llm_node.engine import SamplingSpec
+from encdis.llm_node.generation import GenerationRequest, GenerationService
+from encdis.llm_node.prompt import user_message
+from encdis.llm_node.settings import LLMSettings
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 64
+MAX_STOP_STRINGS = 16
+
+
+def sampling_from_request(req: llm_pb2.GenerateRequest, max_model_len: int) -> SamplingSpec:
+    """The request's sampling parameters, checked; proto zeros mean "default"."""
+    max_tokens = req.max_tokens or DEFAULT_MAX_TOKENS
+    if max_tokens > max_model_len:
+        raise InvalidArgument(f"max_tokens {max_tokens} exceeds the model's context length {max_model_len}")
+    if req.temperature < 0:
+        raise InvalidArgument(f"temperature must be >= 0, got {req.temperature}")
+    if not 0 <= req.top_p <= 1:
+        raise InvalidArgument(f"top_p must be in (0, 1], got {req.top_p}")
+    if req.top_k < 0:
+        raise InvalidArgument(f"top_k must be >= 0, got {req.top_k}")
+    if len(req.stop) > MAX_STOP_STRINGS:
+        raise InvalidArgument(f"at most {MAX_STOP_STRINGS} stop strings, got {len(req.stop)}")
+    return SamplingSpec(
+        max_tokens=max_tokens,
+        temperature=float(req.temperature),
+        top_p=float(req.top_p) or 1.0,
+        top_k=int(req.top_k),
+        seed=req.seed if req.HasField("seed") else None,
+        ignore_eos=req.ignore_eos,
+        stop=tuple(req.stop),
+    )
+
+
+class GenerateServicer(llm_pb2_grpc.GenerateServiceServicer):
+    """The LLM node's gRPC front door."""
+
+    def __init__(self, settings: LLMSettings, service: GenerationService, coordinator: Coordinator) -> None:
+        self.settings = settings
+        self.service = service
+        self.coordinator = coordinator
+
+    async def Generate(self, request: llm_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[llm_pb2.GenerateResponse]:
+        request_id = request.request_id or uuid.uuid4().hex
+        req = GenerationRequest(
+            messages=user_message(request.prompt, len(request.images)),
+            images=list(request.images),
+            sampling=sampling_from_request(request, self.settings.max_model_len),
+            request_id=request_id,
+        )
+        async for step in self.service.generate(req):
+            msg = llm_pb2.GenerateResponse(text=step.text, token_ids=step.token_ids, request_id=request_id)
+            if step.finished:
+                u = step.usage
+                msg.finished = True
+                msg.finish_reason = step.finish_reason
+                msg.usage.CopyFrom(llm_pb2.Usage(
+                    prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                    image_tokens=u.image_tokens, images=u.images, cached_images=u.cached_images))
+                msg.timing.CopyFrom(llm_pb2.TimeSplit(**{f"{k}_seconds": v for k, v in step.timing.items()}))
+            yield msg
+
+    async def ListEncoders(self, request: llm_pb2.ListEncodersRequest,
+                           context: grpc.aio.ServicerContext) -> llm_pb2.ListEncodersResponse:
+        return llm_pb2.ListEncodersResponse(encoders=[encoder_info(s) for s in self.coordinator.encoders()])
+
+
+def encoder_info(status: Any) -> llm_pb2.EncoderInfo:
+    """The coordinator's view of one encoder, as the proto has it."""
+    def get(name: str, default: Any) -> Any:
+        v = getattr(status, name, default)
+        return default if v is None else v
+
+    state = get("state", "")
+    return llm_pb2.EncoderInfo(
+        address=str(get("address", "")),
+        state=str(getattr(state, "value", state)),
+        reason=str(get("reason", "")),
+        backlog_seconds=float(get("backlog_seconds", 0.0)),
+        backlog_patches=int(get("backlog_patches", 0)),
+        patches_per_second=float(get("patches_per_second", 0.0)),
+        assigned_patches=int(get("assigned_patches", 0)),
+        assigned_images=int(get("assigned_images", 0)),
+        name=str(get("name", "")),
+    )
