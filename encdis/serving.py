@@ -25,7 +25,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from encdis import sd_notify
-from encdis.client.errors import EncdisError
+from encdis.client.errors import EncdisError, InvalidArgument
 from encdis.launcher import READY_PREFIX
 
 log = logging.getLogger(__name__)
@@ -41,11 +41,38 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or not handler_call_details.method.startswith("/encdis."):
             return handler
         method = handler_call_details.method
+        handler = handler._replace(request_deserializer=_tolerant(handler.request_deserializer))
         if handler.unary_unary is not None:
             return handler._replace(unary_unary=_wrap_unary(handler.unary_unary, method))
         if handler.unary_stream is not None:
             return handler._replace(unary_stream=_wrap_stream(handler.unary_stream, method))
         return handler
+
+
+class _Undecodable:
+    """A request whose bytes are not the method's message: the handler answers INVALID_ARGUMENT
+    (grpc itself would answer INTERNAL from inside its deserializer)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _tolerant(deserialize):
+    if deserialize is None:
+        return None
+
+    def wrapper(data: bytes):
+        try:
+            return deserialize(data)
+        except Exception as e:  # protobuf's DecodeError, or anything a malformed message raises
+            return _Undecodable(e)
+
+    return wrapper
+
+
+def _check_decoded(request) -> None:
+    if isinstance(request, _Undecodable):
+        raise InvalidArgument(f"the request is not a valid protobuf message of this method: {request.error}")
 
 
 async def _abort_for(exc: BaseException, context: grpc.aio.ServicerContext, method: str) -> None:
@@ -59,6 +86,7 @@ async def _abort_for(exc: BaseException, context: grpc.aio.ServicerContext, meth
 def _wrap_unary(behavior, method: str):
     async def wrapper(request, context):
         try:
+            _check_decoded(request)
             return await behavior(request, context)
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
@@ -71,6 +99,7 @@ def _wrap_unary(behavior, method: str):
 def _wrap_stream(behavior, method: str):
     async def wrapper(request, context):
         try:
+            _check_decoded(request)
             async for item in behavior(request, context):
                 yield item
         except (grpc.aio.AbortError, asyncio.CancelledError):

@@ -4,6 +4,9 @@ The loop takes queued images in arrival order while their patches fit the budget
 larger than the budget runs alone), runs ONE forward pass of the tower in a worker thread
 (so the event loop keeps serving), and hands each image its own slice of the output.
 
+A forward that fails re-runs each of its images alone, so only an image that fails by itself
+fails (INTERNAL naming it), never the other requests batched with it.
+
 Accounting: `admit` reserves patches when a call is accepted (before preprocessing), so
 queued_patches counts all accepted, unfinished work; they are released when the image's
 batch finishes or when the image is abandoned (failed preprocessing, cancelled call).
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from encdis.client.errors import ResourceExhausted, Unavailable
+from encdis.client.errors import Internal, ResourceExhausted, Unavailable
 from encdis.client.wire import BatchInfo
 from encdis.encoder_node.metrics import EncoderMetrics
 from encdis.encoder_node.preprocess import PreparedImage
@@ -133,7 +136,8 @@ class Batcher:
                 continue
             await self._run_batch(loop, batch)
 
-    async def _run_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_QueuedImage]) -> None:
+    async def _run_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_QueuedImage],
+                         *, alone_on_failure: bool = True) -> None:
         images = [j.image for j in batch]
         patches = [im.num_patches for im in images]
         started = time.monotonic()
@@ -142,8 +146,17 @@ class Batcher:
                 self._executor, self._forward, [im.pixel_values for im in images], [im.grid_thw for im in images]
             )
             error = None
-        except Exception as e:  # noqa: BLE001 - the batch's calls fail, the node goes on
+        except Exception as e:  # the batch's calls fail, the node goes on
             log.exception("forward pass of %d images (%d patches) failed", len(batch), sum(patches))
+            if alone_on_failure and len(batch) > 1:
+                # One bad image must not fail the others' requests: each runs again alone, so
+                # only the one that fails by itself fails (each run releases its own patches).
+                for job in batch:
+                    if not job.future.done():
+                        await self._run_batch(loop, [job], alone_on_failure=False)
+                    else:
+                        self.release(job.image.num_patches)
+                return
             outputs, error = None, e
         seconds = time.monotonic() - started
         self.release(sum(patches))
@@ -159,7 +172,8 @@ class Batcher:
             if job.future.done():
                 continue
             if error is not None:
-                job.future.set_exception(error)
+                job.future.set_exception(Internal(
+                    f"image {job.image.index}: the vision tower failed on this image (details in the node's log)"))
                 continue
             queue_s = started - job.accepted_at
             self._metrics.queue_seconds.observe(queue_s)

@@ -18,6 +18,7 @@ import grpc
 from encdis.checkpoint import weights_fingerprint
 from encdis.client.pb import encoder_pb2, encoder_pb2_grpc
 from encdis.encoder_node.batcher import Batcher
+from encdis.encoder_node.fault_hook import with_test_fault
 from encdis.encoder_node.metrics import EncoderMetrics
 from encdis.encoder_node.preprocess import ImagePreprocessor
 from encdis.encoder_node.servicer import EncoderServicer, LoadedModel
@@ -51,7 +52,7 @@ def load_model(settings: EncoderSettings, metrics: EncoderMetrics) -> LoadedMode
     )
     return LoadedModel(
         tower=tower, preprocessor=pre, weights_fingerprint=fingerprint,
-        batcher=Batcher(tower.forward, max_batch_patches=settings.max_batch_patches,
+        batcher=Batcher(with_test_fault(tower.forward), max_batch_patches=settings.max_batch_patches,
                         max_queued_patches=settings.max_queued_patches, metrics=metrics),
         preprocess_pool=ThreadPoolExecutor(settings.preprocess_workers, thread_name_prefix="encdis-preprocess"),
     )

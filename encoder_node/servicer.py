@@ -26,6 +26,7 @@ from encdis.client.errors import EncdisError, InvalidArgument, ResourceExhausted
 from encdis.client.pb import encoder_pb2, encoder_pb2_grpc
 from encdis.client.wire import embedding_messages
 from encdis.encoder_node.batcher import Batcher
+from encdis.encoder_node.decode_budget import DecodeBudget
 from encdis.encoder_node.metrics import EncoderMetrics
 from encdis.encoder_node.preprocess import ImagePreprocessor
 from encdis.encoder_node.settings import EncoderSettings
@@ -67,6 +68,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self._model: LoadedModel | None = None
         self._draining = False
         self._calls = InFlight(metrics.inflight_requests)
+        self._decoding = DecodeBudget(settings.max_decoding_pixels)
 
     # ---- lifecycle (called by server.py)
 
@@ -172,10 +174,11 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         futures: list[asyncio.Future] = []
         try:
             loop = asyncio.get_running_loop()
-            prepared = await asyncio.gather(*(
-                loop.run_in_executor(model.preprocess_pool, self._timed_prepare, pre, i, data, lo, hi)
-                for i, data in enumerate(images)
-            ))
+            with self._decoding.hold(sum(h.width * h.height for h in headers)):
+                prepared = await asyncio.gather(*(
+                    loop.run_in_executor(model.preprocess_pool, self._timed_prepare, pre, i, data, lo, hi)
+                    for i, data in enumerate(images)
+                ))
             for p in prepared:
                 futures.append(model.batcher.submit(p, accepted_at))
             # The batcher now owns each submitted image's (actual) patches.

@@ -36,6 +36,7 @@ class EncoderSettings:
     max_pixels: int = 0  # largest per-request max_pixels accepted; 0: the checkpoint's max_pixels
     max_concurrent_rpcs: int = 64
     max_queued_patches: int = 16 * 16384  # accepted, unfinished patches beyond which Encode is refused
+    max_decoding_pixels: int = 128 * MiB  # decoded width*height of images being decoded at once (~400 MB RGB)
     max_chunk_bytes: int = 4 * MiB
     drain_grace_seconds: float = 30.0
     # After SIGTERM the node reports NOT_SERVING at once but still accepts calls this long, so a
@@ -52,7 +53,8 @@ class EncoderSettings:
         if self.image_loader not in LOADERS:
             raise ValueError(f"--image-loader must be one of {', '.join(LOADERS)}, got {self.image_loader!r}")
         positive = ("max_batch_patches", "max_images_per_request", "max_image_bytes", "max_image_pixels",
-                    "max_concurrent_rpcs", "max_queued_patches", "max_chunk_bytes", "preprocess_workers")
+                    "max_concurrent_rpcs", "max_queued_patches", "max_decoding_pixels", "max_chunk_bytes",
+                    "preprocess_workers")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
@@ -85,6 +87,7 @@ _HELP = {
     "max_pixels": "largest max_pixels a request may ask for (0: the checkpoint's)",
     "max_concurrent_rpcs": "concurrent Encode calls before RESOURCE_EXHAUSTED (health checks are not counted)",
     "max_queued_patches": "accepted but unfinished patches before RESOURCE_EXHAUSTED",
+    "max_decoding_pixels": "decoded pixels of images being decoded at once before RESOURCE_EXHAUSTED",
     "max_chunk_bytes": "default size of embedding chunks on the wire",
     "drain_grace_seconds": "on SIGTERM, how long in-flight calls may take to finish",
     "drain_accept_seconds": "on SIGTERM, how long new calls are still accepted after health turns NOT_SERVING",

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from encdis.client.errors import InvalidArgument
+from encdis.client.errors import InvalidArgument, Unavailable
 from encdis.llm_node.coordinator.records import ImageEmbedding
 from encdis.llm_node.settings import LLMSettings
 
@@ -197,6 +197,7 @@ class EngineHost:
         elif raw_images:
             inputs["multi_modal_data"] = {"image": list(raw_images)}
         from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
 
         rid = request_id or uuid.uuid4().hex
         prompt_tokens = 0
@@ -214,12 +215,19 @@ class EngineHost:
                     finish_reason=c.finish_reason if out.finished else None,
                     prompt_tokens=prompt_tokens,
                 )
+        except EngineDeadError:
+            raise Unavailable("the LLM engine has died; this node is restarting") from None
         except (VLLMClientError, ValueError) as e:
             # vLLM validates a request (e.g. prompt plus max_tokens longer than max_model_len)
             # before generating anything: such a failure is the request's, not the node's.
             if started:
                 raise
             raise InvalidArgument(f"rejected by the engine: {e}") from None
+
+    @property
+    def dead(self) -> bool:
+        """vLLM's engine core has died (its process exited or its output loop ended)."""
+        return self._llm is not None and bool(self._llm.errored)
 
     async def vision_tower(self) -> list[dict[str, Any]]:
         """Per worker: the vision-tower parameters it holds (0 for the node's engine)."""

@@ -12,17 +12,22 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from encdis.client.errors import InvalidArgument, Unavailable
+from encdis.llm_node.admission import Admission
 from encdis.llm_node.coordinator import Coordinator, ImageEmbedding
 from encdis.llm_node.engine import EngineHost, SamplingSpec
 from encdis.llm_node.metrics import LLMNodeMetrics
 from encdis.llm_node.prompt import PromptRenderer
 from encdis.llm_node.settings import LLMSettings
 from encdis.serving import InFlight
+
+# Embedding bytes are reserved at the widest wire datatype (FP32), whatever the encoders send.
+MAX_ITEMSIZE = 4
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,7 @@ class GenerationService:
         self.metrics = metrics
         self.draining = False
         self._calls = InFlight(metrics.in_flight)
+        self.admission = Admission(settings.max_concurrent_requests, settings.max_inflight_embedding_bytes)
 
     async def wait_idle(self, timeout: float) -> bool:
         """True when no generation is in flight (within `timeout`)."""
@@ -103,33 +109,55 @@ class GenerationService:
         t_start = time.monotonic()
         images = list(req.images)
         validate_images(images, self.settings)
-        self.metrics.images.inc(len(images))
-
-        embedded: list[ImageEmbedding] = []
-        queue_s = encode_s = transfer_s = 0.0
-        cached = 0
-        if images:
-            result = await self.coordinator.encode(images)
-            embedded = result.images
-            cached = sum(result.cached)
-            queue_s, encode_s, transfer_s = result.queue_seconds, result.encode_seconds, result.transfer_seconds
+        # Cheap checks before expensive work: the image tokens from the headers, the prompt's
+        # length with them against the context, the bytes the embeddings will take.
+        image_tokens = self.coordinator.image_tokens(images) if images else []
         prompt = self.renderer.render_messages(req.messages)
-        image_tokens = sum(int(e.embeds.shape[0]) for e in embedded)
-        sampling = req.sampling
-        if sampling.max_tokens is None:
-            # Each image's one placeholder token expands to its embedding's rows.
-            prompt_len = len(self.renderer.tokenizer(prompt, add_special_tokens=False).input_ids)
-            left = self.settings.max_model_len - (prompt_len + image_tokens - len(embedded))
-            if left <= 0:
-                raise InvalidArgument(f"the prompt's {prompt_len + image_tokens - len(embedded)} tokens leave no room "
-                                      f"in the context length {self.settings.max_model_len}")
-            sampling = dataclasses.replace(sampling, max_tokens=left)
+        sampling = self._fit_to_context(prompt, image_tokens, req.sampling)
+        embedding_bytes = sum(image_tokens) * self.coordinator.hidden_size * MAX_ITEMSIZE
+        with self.admission.admit(embedding_bytes):
+            self.metrics.images.inc(len(images))
+            embedded: list[ImageEmbedding] = []
+            queue_s = encode_s = transfer_s = 0.0
+            cached = 0
+            if images:
+                result = await self.coordinator.encode(images)
+                embedded = result.images
+                cached = sum(result.cached)
+                queue_s, encode_s, transfer_s = result.queue_seconds, result.encode_seconds, result.transfer_seconds
+            async for step in self._run_engine(prompt, sampling, embedded, req.request_id, cached,
+                                               t_start, (queue_s, encode_s, transfer_s)):
+                yield step
 
+    def _fit_to_context(self, prompt: str, image_tokens: list[int], sampling: SamplingSpec) -> SamplingSpec:
+        """`sampling` with max_tokens set (default: what the context leaves, as `vllm serve` does);
+        InvalidArgument when the prompt with its images and max_tokens cannot fit."""
+        # Each image's one placeholder token expands to its embedding's rows.
+        placeholder_len = len(self.renderer.tokenizer(prompt, add_special_tokens=False).input_ids)
+        prompt_len = placeholder_len + sum(image_tokens) - len(image_tokens)
+        limit = self.settings.max_model_len
+        left = limit - prompt_len
+        if left <= 0:
+            raise InvalidArgument(f"the prompt is {prompt_len} tokens with its images; the context length is {limit}")
+        if sampling.max_tokens is None:
+            return dataclasses.replace(sampling, max_tokens=left)
+        if sampling.max_tokens > left:
+            raise InvalidArgument(f"the prompt is {prompt_len} tokens with its images and max_tokens is "
+                                  f"{sampling.max_tokens}: more than the context length {limit}")
+        return sampling
+
+    async def _run_engine(self, prompt: str, sampling: SamplingSpec, embedded: list[ImageEmbedding],
+                          request_id: str, cached: int, t_start: float,
+                          coordinator_split: tuple[float, float, float]) -> AsyncIterator[Step]:
+        queue_s, encode_s, transfer_s = coordinator_split
+        image_tokens = sum(int(e.embeds.shape[0]) for e in embedded)
+        # The caller's id is theirs to reuse: two in flight with the same id never collide in vLLM.
+        engine_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
         t_submit = time.monotonic()
         t_first: float | None = None
         completion = 0
         prompt_tokens = 0
-        async for d in self.engine.generate(prompt, sampling, images=embedded, request_id=req.request_id):
+        async for d in self.engine.generate(prompt, sampling, images=embedded, request_id=engine_id):
             now = time.monotonic()
             if t_first is None and d.token_ids:
                 t_first = now
@@ -147,6 +175,6 @@ class GenerationService:
             self.metrics.image_tokens.inc(image_tokens)
             self.metrics.completion_tokens.inc(completion)
             usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, image_tokens=image_tokens,
-                          images=len(images), cached_images=cached)
+                          images=len(embedded), cached_images=cached)
             yield Step(text=d.text, token_ids=d.token_ids, finished=True, finish_reason=d.finish_reason or "",
                        usage=usage, timing={k: max(0.0, v) for k, v in split.items()})

@@ -9,6 +9,7 @@ interceptor maps them to status codes.
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -27,6 +28,17 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 64
 MAX_STOP_STRINGS = 16
+MAX_REQUEST_ID_LENGTH = 128
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")
+
+
+def checked_request_id(request_id: str) -> str:
+    """The caller's request id, if it is short and plain enough to log and echo safely."""
+    if len(request_id) > MAX_REQUEST_ID_LENGTH:
+        raise InvalidArgument(f"request_id is {len(request_id)} characters; at most {MAX_REQUEST_ID_LENGTH}")
+    if request_id and not _REQUEST_ID.fullmatch(request_id):
+        raise InvalidArgument("request_id may hold only letters, digits and . _ : -")
+    return request_id
 
 
 def sampling_from_request(req: llm_pb2.GenerateRequest, max_model_len: int) -> SamplingSpec:
@@ -63,7 +75,7 @@ class GenerateServicer(llm_pb2_grpc.GenerateServiceServicer):
 
     async def Generate(self, request: llm_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[llm_pb2.GenerateResponse]:
-        request_id = request.request_id or uuid.uuid4().hex
+        request_id = checked_request_id(request.request_id) or uuid.uuid4().hex
         req = GenerationRequest(
             messages=user_message(request.prompt, len(request.images)),
             images=list(request.images),

@@ -1,10 +1,11 @@
 """LLM node wiring: engine, coordinator, generation service, front doors, health, metrics, drain.
 
-Start order: the vLLM engine first (blocking, before the event loop: vLLM's engine core
-must start from the main thread), then the coordinator and the gRPC server; the node
-reports SERVING and prints its ready line only when all of them are up. SIGTERM/SIGINT:
-NOT_SERVING, refuse new requests, let in-flight ones finish (up to the grace period),
-then stop the server, the coordinator and the engine.
+Start order: the engine reaper (reaper.py), the vLLM engine (blocking, before the event
+loop: vLLM's engine core must start from the main thread), then the coordinator and the
+front doors; the node reports SERVING and prints its ready line only when all are up.
+SIGTERM/SIGINT: NOT_SERVING, refuse new requests, let in-flight ones finish (up to the
+grace period), then stop the servers, the coordinator and the engine; exit 0. The engine's
+death: NOT_SERVING at once, stop, exit 3 (a supervisor restarts the node).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from encdis.llm_node.generation import GenerationService
 from encdis.llm_node.grpc_front import GenerateServicer
 from encdis.llm_node.metrics import LLMNodeMetrics
 from encdis.llm_node.prompt import PromptRenderer
+from encdis.llm_node.reaper import EngineReaper
 from encdis.llm_node.settings import LLMSettings
 
 log = logging.getLogger(__name__)
@@ -33,14 +35,21 @@ SERVER_OPTIONS = [
 ]
 
 
+ENGINE_DEAD_EXIT_CODE = 3
+ENGINE_WATCH_SECONDS = 0.1
+
+
 def run_node(settings: LLMSettings) -> int:
-    """Run an LLM node until SIGTERM/SIGINT; the exit code."""
+    """Run an LLM node until SIGTERM/SIGINT (exit 0) or its engine's death (exit 3)."""
+    reaper = EngineReaper.start()  # first, so the engine's processes are always reaped
     engine = EngineHost(settings)
-    engine.start()
     try:
+        engine.start()
+        log.info("engine processes under watch: %d", reaper.watch_descendants())
         return asyncio.run(_serve(settings, engine))
     finally:
         engine.shutdown()
+        reaper.close()
 
 
 async def _serve(settings: LLMSettings, engine: EngineHost) -> int:
@@ -91,10 +100,27 @@ async def _serve(settings: LLMSettings, engine: EngineHost) -> int:
         if http_server is not None:
             await http_server.stop()
 
+    engine_died = asyncio.Event()
+
+    async def watch_engine() -> None:
+        # A dead engine fails every request, text-only too: stop serving at once and exit
+        # non-zero so systemd or Kubernetes restarts the node.
+        while not engine.dead:
+            await asyncio.sleep(ENGINE_WATCH_SECONDS)
+        log.error("the vLLM engine died: NOT_SERVING and exiting")
+        engine_died.set()
+        await health.set_not_serving()
+        service.draining = True
+        await server.stop(grace=0.5)
+        if http_server is not None:
+            await http_server.stop()
+
+    watcher = asyncio.create_task(watch_engine(), name="encdis-engine-watch")
     serving.install_drain_signal_handlers(asyncio.get_running_loop(), drain)
     await health.set_serving()
     serving.announce_ready("llm", port, metrics_port, http_port=http_port, vision_tower_parameters=tower_params)
     await server.wait_for_termination()
+    watcher.cancel()
     await coordinator.stop()
     log.info("stopped")
-    return 0
+    return ENGINE_DEAD_EXIT_CODE if engine_died.is_set() else 0

@@ -51,6 +51,9 @@ class LLMSettings:
     allowed_media_domains: tuple[str, ...] = ()  # hosts image URLs may be fetched from (none: data: URIs only)
     media_timeout_seconds: float = 10.0
     image_loader: str = "vllm"  # encoders must use the same (it changes the embeddings)
+    # Admission control: beyond these, requests get RESOURCE_EXHAUSTED (HTTP 429), never OOM.
+    max_concurrent_requests: int = 64
+    max_inflight_embedding_bytes: int = 4 * 1024**3  # predicted from image headers before encoding
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -65,6 +68,8 @@ class LLMSettings:
             raise ValueError(f"--port must be >= 0, got {self.port}")
         if self.image_loader not in ("vllm", "transformers"):
             raise ValueError(f"--image-loader must be vllm or transformers, got {self.image_loader!r}")
+        if self.max_concurrent_requests < 1 or self.max_inflight_embedding_bytes < 1:
+            raise ValueError("--max-concurrent-requests and --max-inflight-embedding-bytes must be positive")
         if self.media_timeout_seconds <= 0:
             raise ValueError(f"--media-timeout-seconds must be positive, got {self.media_timeout_seconds}")
 
@@ -97,6 +102,9 @@ _HELP = {
     "allowed_media_domains": "comma-separated hosts image URLs may be fetched from (empty: data: URIs only)",
     "media_timeout_seconds": "time limit of fetching one image URL",
     "image_loader": "the encoders' image loader (vllm or transformers); encoders using another are refused",
+    "max_concurrent_requests": "requests served at once; more get RESOURCE_EXHAUSTED (HTTP 429)",
+    "max_inflight_embedding_bytes": "embedding bytes of requests in flight (predicted from image headers); "
+                                    "a request beyond it gets RESOURCE_EXHAUSTED (HTTP 429)",
 }
 
 

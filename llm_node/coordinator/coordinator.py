@@ -201,6 +201,20 @@ class Coordinator:
             retries=timing.retries,
         )
 
+    def image_tokens(self, images: Sequence[bytes]) -> list[int]:
+        """Embedding rows each image will have, from its header alone (cheap: no decoding, no
+        encoder); InvalidArgument naming the first bad image. For checks before any encoding."""
+        from encdis.image_header import read_header
+
+        tokens = []
+        for i, img in enumerate(images):
+            try:
+                header = read_header(bytes(img))
+                tokens.append(self._patches(header.width, header.height) // self.identity.merge_size ** 2)
+            except ValueError as e:
+                raise InvalidArgument(f"image {i}: {e}") from None
+        return tokens
+
     def _patches(self, width: int, height: int) -> int:
         from .patches import patches_for_image
 

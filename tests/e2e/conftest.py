@@ -125,11 +125,16 @@ def encoder_nodes(tiny_ckpt: Path) -> Iterator[list[NodeProcess]]:
             n.stop()
 
 
+# The equality tests send 8 requests at once; the admission test sends 3x this many.
+LLM_NODE_MAX_CONCURRENT = 8
+
+
 @pytest.fixture(scope="session")
 def llm_node(tiny_ckpt: Path, encoder_nodes: list[NodeProcess]) -> Iterator[NodeProcess]:
     """A real LLM node (vLLM, tower not loaded) whose encoder pool is `encoder_nodes`; both front doors."""
     node = start_node(["llm", "--model", str(tiny_ckpt), "--host", "127.0.0.1", "--port", "0",
                        "--metrics-port", "0", "--http-port", "0",
+                       "--max-concurrent-requests", str(LLM_NODE_MAX_CONCURRENT),
                        "--encoders", ",".join(n.address for n in encoder_nodes)],
                       timeout=900)
     try:

@@ -1,0 +1,79 @@
+"""Admission control on a real LLM node: load beyond its limits is refused at once, and a
+request that cannot fit is refused before any encoder works on it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from encdis.client import AsyncGenerateClient, GenerateClient, InvalidArgument, ResourceExhausted
+from tests.e2e.conftest import LLM_NODE_MAX_CONCURRENT
+
+pytestmark = pytest.mark.vllm
+
+LONG_TOKENS = 600  # long enough that the admitted requests are still running while the rest arrive
+
+
+def test_three_times_the_limit_excess_refused_promptly_the_rest_equal_monolithic(llm_node, monolithic,
+                                                                                 equality_cases) -> None:
+    case = equality_cases["c0_text_only"]
+    limit = LLM_NODE_MAX_CONCURRENT
+
+    async def run() -> tuple[list, list[float]]:
+        async with AsyncGenerateClient(llm_node.address, timeout=600) as client:
+            held = [asyncio.ensure_future(client.generate(case.prompt, max_tokens=LONG_TOKENS, ignore_eos=True))
+                    for _ in range(limit)]
+            deadline = time.monotonic() + 120
+            while llm_node.metric("encdis_requests_in_flight") < limit:
+                assert time.monotonic() < deadline, "the admitted requests never were all in flight"
+                await asyncio.sleep(0.05)
+
+            async def refused() -> float:
+                t0 = time.monotonic()
+                with pytest.raises(ResourceExhausted, match="requests in flight"):
+                    await client.generate(case.prompt, max_tokens=4)
+                return time.monotonic() - t0
+
+            waits = await asyncio.gather(*(refused() for _ in range(2 * limit)))
+            assert llm_node.metric("encdis_requests_in_flight") == limit  # still running while refusing
+            return await asyncio.gather(*held), list(waits)
+
+    results, waits = asyncio.run(run())
+    assert max(waits) < 2.0, f"refusals took up to {max(waits):.2f}s"
+    for r in results:
+        assert len(r.token_ids) == LONG_TOKENS
+        # Greedy decoding: the first tokens of a long answer are the short answer.
+        assert r.token_ids[:case.max_tokens] == monolithic["c0_text_only"]
+
+
+def test_a_prompt_that_cannot_fit_with_its_images_is_refused_before_any_encoding(llm_node, encoder_nodes,
+                                                                                  equality_cases) -> None:
+    images = equality_cases["c6_four"].images
+    before = [n.metric("encdis_encoder_patches_total") for n in encoder_nodes]
+    with GenerateClient(llm_node.address, timeout=60) as client:
+        with pytest.raises(InvalidArgument, match="more than the context length"):
+            client.generate("Describe them.", images, max_tokens=4000)
+        assert client.generate("Count.", max_tokens=2).token_ids  # the node still serves
+    assert [n.metric("encdis_encoder_patches_total") for n in encoder_nodes] == before
+
+
+def test_two_requests_with_the_same_id_in_flight_do_not_collide(llm_node, monolithic, equality_cases) -> None:
+    case = equality_cases["c1_square"]
+
+    async def run() -> list:
+        async with AsyncGenerateClient(llm_node.address, timeout=300) as client:
+            return await asyncio.gather(*(client.generate(case.prompt, case.images, max_tokens=case.max_tokens,
+                                                          ignore_eos=True, request_id="same-id") for _ in range(2)))
+
+    for r in asyncio.run(run()):
+        assert r.token_ids == monolithic["c1_square"]
+
+
+def test_request_ids_are_bounded(llm_node) -> None:
+    with GenerateClient(llm_node.address, timeout=60) as client:
+        with pytest.raises(InvalidArgument, match="request_id"):
+            client.generate("hi", max_tokens=2, request_id="x" * 129)
+        with pytest.raises(InvalidArgument, match="request_id"):
+            client.generate("hi", max_tokens=2, request_id="bad id\n")
