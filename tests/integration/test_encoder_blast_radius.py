@@ -3,10 +3,8 @@ that fails fails only the image that fails by itself."""
 
 from __future__ import annotations
 
-import contextlib
 import io
 import threading
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -18,6 +16,7 @@ from encdis.encoder_node.settings import EncoderSettings
 from encdis.llm_node.coordinator.patches import grid_for_image
 from tests import encoder_images as images
 from tests.encoder_inproc import InProcessEncoder
+from tests.holds import held
 from tests.integration.test_encoder_errors import forwards_held
 
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 256  # the tiny checkpoint's processor bounds
@@ -30,34 +29,13 @@ def huge_flat_png(side: int = 8000) -> bytes:
     return buf.getvalue()
 
 
-@contextlib.contextmanager
-def decoding_held(n: InProcessEncoder) -> Iterator[threading.Event]:
-    """Inside the block image preprocessing (decoding) waits; the event is set once one waits."""
-    pre = n.node.model.preprocessor
-    real = pre.prepare
-    entered, gate = threading.Event(), threading.Event()
-
-    def held(*args):
-        entered.set()
-        if not gate.wait(120):
-            raise RuntimeError("decoding_held: the test never let decoding go on")
-        return real(*args)
-
-    pre.prepare = held
-    try:
-        yield entered
-    finally:
-        gate.set()
-        pre.prepare = real
-
-
 def test_a_flood_of_small_files_declaring_huge_sizes_is_refused_not_decoded(tiny_ckpt) -> None:
     bomb = huge_flat_png()
     assert len(bomb) < 1 << 20  # cheap to send ...
     settings = EncoderSettings(model=tiny_ckpt, host="127.0.0.1", port=0, max_decoding_pixels=70_000_000)
     with InProcessEncoder(settings) as n, EncoderClient(n.address, timeout=120) as c:
         results: list[object] = []
-        with decoding_held(n) as decoding:
+        with held(n.node.model.preprocessor, "prepare") as decoding:
             first = threading.Thread(target=lambda: results.append(c.encode([bomb])))
             first.start()
             assert decoding.wait(60), "the first call never started decoding"

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
-from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -16,6 +15,7 @@ from encdis.client import EncoderClient, InvalidArgument, ResourceExhausted, Una
 from encdis.encoder_node.settings import EncoderSettings
 from tests import encoder_images as images
 from tests.encoder_inproc import InProcessEncoder
+from tests.holds import held
 
 MAX_BYTES = 256 * 1024
 
@@ -39,26 +39,10 @@ def _health(address: str) -> int:
         return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
 
 
-@contextlib.contextmanager
-def forwards_held(n: InProcessEncoder) -> Iterator[threading.Event]:
+def forwards_held(n: InProcessEncoder) -> contextlib.AbstractContextManager[threading.Event]:
     """Inside the block the node's tower forwards wait, so what was admitted stays queued and its
     call stays in flight for as long as the test needs; the event is set once a forward waits."""
-    batcher = n.node.model.batcher
-    real = batcher._forward
-    entered, gate = threading.Event(), threading.Event()
-
-    def held(*args):
-        entered.set()
-        if not gate.wait(120):
-            raise RuntimeError("forwards_held: the test never let the forward run")
-        return real(*args)
-
-    batcher._forward = held
-    try:
-        yield entered
-    finally:
-        gate.set()
-        batcher._forward = real
+    return held(n.node.model.batcher, "_forward")
 
 
 GOOD = images.rgb_jpeg(64, 48)
