@@ -11,6 +11,7 @@ from encdis.client.errors import (
     Internal,
     InvalidArgument,
     ResourceExhausted,
+    Unauthenticated,
     Unavailable,
     WireError,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "InvalidArgument",
     "ResourceExhausted",
     "TimeSplit",
+    "Unauthenticated",
     "Unavailable",
     "Usage",
     "WireError",

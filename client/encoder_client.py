@@ -4,27 +4,51 @@
         for e in enc.encode([open("cat.jpg", "rb").read()]):
             print(e.grid_thw, e.array().shape, e.digest)
 
-Failed calls raise the typed exceptions of `encdis.client.errors`.
+TLS and API keys (encdis.client.channels): `root_certificates=` (PEM bytes; `tls=True`
+alone uses the system's roots), `certificate_chain=` + `private_key=` for a node that
+requires client certificates, `api_key=` (sent as `authorization: Bearer KEY`),
+`server_name=` to verify the node's certificate against another name than the target's.
+Failed calls raise the typed exceptions of `encdis.client.errors` (Unauthenticated
+without a valid key).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Sequence
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
+from encdis.client.channels import ChannelSecurity, open_aio_channel, open_channel
+from encdis.client.colocated import ColocatedReceiver, ColocatedStreamDecoder, Lookahead, receive_pending
 from encdis.client.errors import from_rpc_error
 from encdis.client.pb import encoder_pb2, encoder_pb2_grpc
-from encdis.client.wire import Embedding, StreamDecoder
+from encdis.client.wire import ChunkCopy, Embedding, ExpectedEmbedding, StreamDecoder
 
 # Embedding chunks are at most 4 MiB by default; leave room for a larger chunk setting.
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 256 * 1024 * 1024),
 ]
+
+# Encode's replies are read as the bytes gRPC received (no deserializer): StreamDecoder finds
+# each chunk's data in place instead of protobuf copying it twice.
+ENCODE_METHOD = "/encdis.encoder.v1.EncoderService/Encode"
+# What the asyncio client asks for (bench/transport.py): gRPC turns each message into bytes on
+# the event loop (about 0.3 ms per MiB), so 1 MiB keeps each of those callbacks short, and moved
+# as much per second as 4 MiB on loopback.
+RECEIVE_CHUNK_BYTES = 1024 * 1024
+# Smaller chunk copies run on the event loop: a thread handoff costs more than copying them.
+INLINE_COPY_BYTES = 256 * 1024
+# Chunks received but not yet copied into place, per call: bounds the memory they hold.
+MAX_PENDING_COPIES = 8
+RECEIVE_COPY_THREADS = 1
 
 
 @dataclass(frozen=True)
@@ -87,21 +111,34 @@ def encode_request(
 class EncoderClient:
     """Blocking client for one encoder node."""
 
-    def __init__(self, target: str, *, timeout: float | None = None,
-                 channel: grpc.Channel | None = None) -> None:
+    def __init__(self, target: str, *, timeout: float | None = None, channel: grpc.Channel | None = None,
+                 tls: bool = False, root_certificates: bytes | None = None,
+                 certificate_chain: bytes | None = None, private_key: bytes | None = None,
+                 api_key: str | None = None, server_name: str | None = None) -> None:
         self.target = target
         self.timeout = timeout
-        self._channel = channel or grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        security = ChannelSecurity(tls, root_certificates, certificate_chain, private_key, api_key, server_name)
+        if channel is not None and security != ChannelSecurity():
+            raise ValueError("give either a channel or TLS / API key options, not both")
+        self._channel = channel or open_channel(target, CHANNEL_OPTIONS, security)
         self._stub = encoder_pb2_grpc.EncoderServiceStub(self._channel)
+        self._encode_raw = self._channel.unary_stream(
+            ENCODE_METHOD, request_serializer=encoder_pb2.EncodeRequest.SerializeToString, _registered_method=True)
 
     def encode(self, images: Sequence[bytes], *, min_pixels: int = 0, max_pixels: int = 0,
-               max_chunk_bytes: int = 0, timeout: float | None = None) -> list[Embedding]:
-        """Embeddings of `images`, in order. Raises InvalidArgument naming a bad image."""
+               max_chunk_bytes: int = 0, timeout: float | None = None,
+               expected: Sequence[ExpectedEmbedding] | None = None,
+               max_total_bytes: int | None = None) -> list[Embedding]:
+        """Embeddings of `images`, in order. Raises InvalidArgument naming a bad image.
+
+        `expected` (one per image) and `max_total_bytes` make the receiver refuse, with a
+        WireError naming the image, a header that disagrees or announces more.
+        """
         req = encode_request(images, min_pixels, max_pixels, max_chunk_bytes)
-        dec = StreamDecoder(len(images))
+        dec = StreamDecoder(len(images), expected=expected, max_total_bytes=max_total_bytes)
         out: list[Embedding] = []
         try:
-            for msg in self._stub.Encode(req, timeout=timeout or self.timeout):
+            for msg in self._encode_raw(req, timeout=timeout or self.timeout):
                 emb = dec.feed(msg)
                 if emb is not None:
                     out.append(emb)
@@ -130,19 +167,27 @@ class EncoderClient:
 class AsyncEncoderClient:
     """asyncio client for one encoder node (grpc.aio)."""
 
-    def __init__(self, target: str, *, timeout: float | None = None,
-                 channel: grpc.aio.Channel | None = None) -> None:
+    def __init__(self, target: str, *, timeout: float | None = None, channel: grpc.aio.Channel | None = None,
+                 tls: bool = False, root_certificates: bytes | None = None,
+                 certificate_chain: bytes | None = None, private_key: bytes | None = None,
+                 api_key: str | None = None, server_name: str | None = None) -> None:
         self.target = target
         self.timeout = timeout
-        self._channel = channel or grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        security = ChannelSecurity(tls, root_certificates, certificate_chain, private_key, api_key, server_name)
+        if channel is not None and security != ChannelSecurity():
+            raise ValueError("give either a channel or TLS / API key options, not both")
+        self._channel = channel or open_aio_channel(target, CHANNEL_OPTIONS, security)
         self._stub = encoder_pb2_grpc.EncoderServiceStub(self._channel)
+        self._encode_raw = self._channel.unary_stream(
+            ENCODE_METHOD, request_serializer=encoder_pb2.EncodeRequest.SerializeToString, _registered_method=True)
+        self._copy_threads: ThreadPoolExecutor | None = None
 
     @property
     def channel(self) -> grpc.aio.Channel:
         return self._channel
 
     async def encode(self, images: Sequence[bytes], *, min_pixels: int = 0, max_pixels: int = 0,
-                     max_chunk_bytes: int = 0, timeout: float | None = None) -> list[Embedding]:
+                     max_chunk_bytes: int = RECEIVE_CHUNK_BYTES, timeout: float | None = None) -> list[Embedding]:
         out: list[Embedding] = []
         async for emb in self.encode_iter(images, min_pixels=min_pixels, max_pixels=max_pixels,
                                           max_chunk_bytes=max_chunk_bytes, timeout=timeout):
@@ -150,21 +195,56 @@ class AsyncEncoderClient:
         return out
 
     async def encode_iter(self, images: Sequence[bytes], *, min_pixels: int = 0, max_pixels: int = 0,
-                          max_chunk_bytes: int = 0, timeout: float | None = None):
-        """Yield each image's embedding as soon as its last chunk arrives."""
+                          max_chunk_bytes: int = RECEIVE_CHUNK_BYTES, timeout: float | None = None,
+                          expected: Sequence[ExpectedEmbedding] | None = None, max_total_bytes: int | None = None,
+                          on_embedding_bytes: Callable[[int], object] | None = None,
+                          colocated: ColocatedReceiver | None = None) -> AsyncIterator[Embedding]:
+        """Yield each image's embedding as soon as its last chunk arrives (chunks of at most
+        `max_chunk_bytes`; 0: the node's default).
+
+        Each chunk is checked on the event loop (against the header, and the header against
+        `expected` and `max_total_bytes`, as in EncoderClient.encode) and copied into place
+        by a worker thread, so the loop never copies large embedding bytes.
+        `on_embedding_bytes` is called with each embedding's size as it is yielded.
+        `colocated`: a co-located pair's receiver (client/colocated.py); the call names its
+        session and images whose header says so arrive over it, the others as chunks.
+        """
         req = encode_request(images, min_pixels, max_pixels, max_chunk_bytes)
-        dec = StreamDecoder(len(images))
-        call = self._stub.Encode(req, timeout=timeout or self.timeout)
+        dec: StreamDecoder = StreamDecoder(len(images), expected=expected, max_total_bytes=max_total_bytes)
+        if colocated is not None:
+            req.colocated_session, req.colocated_tag_base = colocated.session_id, colocated.tag_base(len(images))
+            dec = ColocatedStreamDecoder(len(images), expected=expected, max_total_bytes=max_total_bytes)
+        copies = _PendingCopies(self._copy_pool())
+        call = self._encode_raw(req, timeout=timeout or self.timeout)
+        deadline = time.monotonic() + (timeout or self.timeout) if (timeout or self.timeout) else None
+        messages = Lookahead(call)
         try:
-            async for msg in call:
-                emb = dec.feed(msg)
-                if emb is not None:
+            async for msg in messages:
+                copy = dec.accept(msg)
+                if copy is not None:
+                    await copies.submit(copy)
+                if isinstance(dec, ColocatedStreamDecoder) and dec.colocated_pending is not None:
+                    emb = await receive_pending(dec, colocated, messages, deadline)
+                    if on_embedding_bytes is not None:
+                        on_embedding_bytes(emb.data.nbytes)
+                    yield emb
+                if dec.image_complete:
+                    await copies.drain()
+                    emb = dec.take()
+                    if on_embedding_bytes is not None:
+                        on_embedding_bytes(emb.data.nbytes)
                     yield emb
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         finally:
+            messages.cancel()
             call.cancel()
         dec.close()
+
+    def _copy_pool(self) -> ThreadPoolExecutor:
+        if self._copy_threads is None:
+            self._copy_threads = ThreadPoolExecutor(RECEIVE_COPY_THREADS, thread_name_prefix="encdis-receive")
+        return self._copy_threads
 
     async def describe(self, *, timeout: float | None = None) -> EncoderDescription:
         try:
@@ -175,9 +255,42 @@ class AsyncEncoderClient:
 
     async def close(self) -> None:
         await self._channel.close()
+        if self._copy_threads is not None:
+            self._copy_threads.shutdown(wait=False)
 
     async def __aenter__(self) -> AsyncEncoderClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+class _PendingCopies:
+    """One call's chunk copies queued on a worker thread, at most MAX_PENDING_COPIES at a time.
+
+    A copy wakes the event loop only when the loop waits for it (a full queue, or an image's
+    last chunk), not once per chunk: each wake-up costs the loop more than a chunk's checks.
+    """
+
+    def __init__(self, pool: ThreadPoolExecutor) -> None:
+        self._pool = pool
+        self._pending: deque[Future[None]] = deque()
+
+    async def submit(self, copy: ChunkCopy) -> None:
+        if copy.nbytes < INLINE_COPY_BYTES:
+            copy.run()
+            return
+        self._pending.append(self._pool.submit(copy.run))
+        while self._pending and self._pending[0].done():
+            self._pending.popleft().result()  # re-raises a failed copy
+        if len(self._pending) > MAX_PENDING_COPIES:
+            await asyncio.wrap_future(self._pending.popleft())
+
+    async def drain(self) -> None:
+        """Wait until every submitted copy has run: the image's buffer is then whole."""
+        while self._pending:
+            f = self._pending.popleft()
+            if f.done():
+                f.result()
+            else:
+                await asyncio.wrap_future(f)

@@ -44,6 +44,12 @@ class FailedPrecondition(EncdisError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class Unauthenticated(EncdisError):
+    """No valid API key (or client certificate) came with the call."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
 class DeadlineExceeded(EncdisError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
@@ -60,7 +66,8 @@ class WireError(EncdisError):
 
 _BY_CODE: dict[grpc.StatusCode, type[EncdisError]] = {
     cls.code: cls
-    for cls in (InvalidArgument, ResourceExhausted, Unavailable, FailedPrecondition, DeadlineExceeded, Internal)
+    for cls in (InvalidArgument, ResourceExhausted, Unavailable, FailedPrecondition, Unauthenticated, DeadlineExceeded,
+                Internal)
 }
 
 

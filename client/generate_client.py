@@ -6,6 +6,9 @@
         result = llm.generate("Describe it.", images)   # the whole completion at once
         print(result.text, result.token_ids, result.timing)
 
+TLS and an API key: `GenerateClient(target, root_certificates=ca_pem, api_key=key)`; the
+options are those of EncoderClient (encoder_client.py).
+
 Greedy unless a temperature is given. Failed calls raise the typed exceptions of
 `encdis.client.errors` (InvalidArgument names the bad image, Unavailable when no encoder
 can serve the request, ...).
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from encdis.client.channels import ChannelSecurity, open_aio_channel, open_channel
 from encdis.client.errors import from_rpc_error
 from encdis.client.pb import llm_pb2, llm_pb2_grpc
 
@@ -146,10 +150,16 @@ def generate_request(
 class GenerateClient:
     """Blocking client for an LLM node."""
 
-    def __init__(self, target: str, *, timeout: float | None = None, channel: grpc.Channel | None = None) -> None:
+    def __init__(self, target: str, *, timeout: float | None = None, channel: grpc.Channel | None = None,
+                 tls: bool = False, root_certificates: bytes | None = None,
+                 certificate_chain: bytes | None = None, private_key: bytes | None = None,
+                 api_key: str | None = None, server_name: str | None = None) -> None:
         self.target = target
         self.timeout = timeout
-        self._channel = channel or grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        security = ChannelSecurity(tls, root_certificates, certificate_chain, private_key, api_key, server_name)
+        if channel is not None and security != ChannelSecurity():
+            raise ValueError("give either a channel or TLS / API key options, not both")
+        self._channel = channel or open_channel(target, CHANNEL_OPTIONS, security)
         self._stub = llm_pb2_grpc.GenerateServiceStub(self._channel)
 
     def generate_stream(self, prompt: str, images: Sequence[bytes] = (), *, timeout: float | None = None,
@@ -190,11 +200,16 @@ class GenerateClient:
 class AsyncGenerateClient:
     """asyncio client for an LLM node (grpc.aio)."""
 
-    def __init__(self, target: str, *, timeout: float | None = None,
-                 channel: grpc.aio.Channel | None = None) -> None:
+    def __init__(self, target: str, *, timeout: float | None = None, channel: grpc.aio.Channel | None = None,
+                 tls: bool = False, root_certificates: bytes | None = None,
+                 certificate_chain: bytes | None = None, private_key: bytes | None = None,
+                 api_key: str | None = None, server_name: str | None = None) -> None:
         self.target = target
         self.timeout = timeout
-        self._channel = channel or grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        security = ChannelSecurity(tls, root_certificates, certificate_chain, private_key, api_key, server_name)
+        if channel is not None and security != ChannelSecurity():
+            raise ValueError("give either a channel or TLS / API key options, not both")
+        self._channel = channel or open_aio_channel(target, CHANNEL_OPTIONS, security)
         self._stub = llm_pb2_grpc.GenerateServiceStub(self._channel)
 
     async def generate_stream(self, prompt: str, images: Sequence[bytes] = (), *, timeout: float | None = None,

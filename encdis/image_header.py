@@ -26,6 +26,12 @@ class ImageHeader:
     width: int
     height: int
     mode: str
+    orientation: int = 1  # EXIF orientation (1: as stored)
+
+    @property
+    def upright_size(self) -> tuple[int, int]:
+        """(width, height) once EXIF orientation is applied: 5-8 turn the image by 90 degrees."""
+        return (self.height, self.width) if self.orientation in (5, 6, 7, 8) else (self.width, self.height)
 
 
 def open_image(data: bytes) -> Image.Image:
@@ -55,7 +61,16 @@ def read_header(data: bytes) -> ImageHeader:
     """Format, size and mode of an encoded image; ValueError for garbage or an empty image."""
     with open_image(data) as image:
         width, height = image.size
-        header = ImageHeader(format=str(image.format), width=width, height=height, mode=image.mode)
+        header = ImageHeader(format=str(image.format), width=width, height=height, mode=image.mode,
+                             orientation=_orientation(image))
     if width <= 0 or height <= 0:
         raise ValueError(f"image has no pixels ({width}x{height})")
     return header
+
+
+def _orientation(image: Image.Image) -> int:
+    try:
+        value = int(image.getexif().get(0x0112, 1))
+    except Exception:  # a broken EXIF block: vLLM's loader ignores it too
+        return 1
+    return value if 1 <= value <= 8 else 1

@@ -3,9 +3,14 @@
 - ErrorMappingInterceptor: the one place exceptions become status codes. encdis's typed
   errors keep their code and message; anything else is INTERNAL with a fixed message and
   the details in the log, so internals never leak and a bad request never kills a node.
-- Health (grpc.health.v1) and reflection, with a HealthState to flip on drain.
-- Prometheus metrics over HTTP, the "ready" line on stdout, systemd notifications, and
-  SIGTERM/SIGINT handling that starts a drain exactly once.
+- Health (grpc.health.v1) and reflection (--no-reflection leaves it out), with a HealthState
+  to flip on drain; optionally a plaintext port serving health alone, for probes that
+  cannot speak TLS (the kubelet's gRPC probe) when the node's own port does.
+- TLS and API keys live in encdis/tls.py and encdis/auth.py; a key refusal is
+  UNAUTHENTICATED like any `Unauthenticated` a handler raises.
+- Prometheus metrics over HTTP on the address the node is told (--metrics-host or --host),
+  the "ready" line on stdout, systemd notifications, and SIGTERM/SIGINT handling that
+  starts a drain exactly once.
 """
 
 from __future__ import annotations
@@ -147,13 +152,13 @@ class HealthState:
     """The node's health as seen by load balancers and probes ("" and each service name)."""
 
     def __init__(self, servicer: health_aio.HealthServicer, service_names: Sequence[str]) -> None:
-        self._servicer = servicer
+        self.servicer = servicer
         self._names = ["", *service_names]
         self.serving = False
 
     async def _set(self, status: int) -> None:
         for name in self._names:
-            await self._servicer.set(name, status)
+            await self.servicer.set(name, status)
 
     async def set_serving(self) -> None:
         self.serving = True
@@ -164,20 +169,38 @@ class HealthState:
         await self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
-async def add_health_and_reflection(server: grpc.aio.Server, service_full_names: Sequence[str]) -> HealthState:
-    """Register grpc.health.v1 (NOT_SERVING until set_serving) and server reflection."""
+async def add_health_and_reflection(server: grpc.aio.Server, service_full_names: Sequence[str], *,
+                                    reflection_enabled: bool = True) -> HealthState:
+    """Register grpc.health.v1 (NOT_SERVING until set_serving) and, unless disabled, server reflection."""
     servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     names = list(service_full_names)
-    reflection.enable_server_reflection(
-        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
-    )
+    if reflection_enabled:
+        reflection.enable_server_reflection(
+            [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
+        )
     state = HealthState(servicer, names)
     await state.set_not_serving()
     return state
 
 
-def start_metrics_http(port: int, registry, host: str = "0.0.0.0") -> int | None:
+async def start_health_port(health: HealthState, host: str, port: int) -> tuple[grpc.aio.Server | None, int | None]:
+    """A plaintext port answering grpc.health.v1 only, with `health`'s state; port < 0: none.
+
+    It tells no more than a load balancer sees (SERVING or not), so it needs no TLS; it is
+    for probes that cannot use the node's TLS port."""
+    if port < 0:
+        return None, None
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
+    bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind the health port {host}:{port}")
+    await server.start()
+    return server, bound
+
+
+def start_metrics_http(port: int, registry, host: str) -> int | None:
     """Serve `registry` at http://host:port/metrics; port 0 picks one. None (or <0): disabled."""
     if port is None or port < 0:
         return None

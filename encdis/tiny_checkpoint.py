@@ -100,8 +100,14 @@ def _build_tokenizer(out_dir: Path):
     return hf_tok
 
 
-def make_tiny_checkpoint(out_dir: str | os.PathLike, *, seed: int = 0, shards: int = 1) -> Path:
-    """Write the checkpoint to `out_dir` and return it. Same seed, same bytes."""
+def make_tiny_checkpoint(out_dir: str | os.PathLike, *, seed: int = 0, shards: int = 1,
+                         vision_overrides: dict | None = None, text_overrides: dict | None = None,
+                         max_pixels: int = MAX_PIXELS) -> Path:
+    """Write the checkpoint to `out_dir` and return it. Same seed, same bytes.
+
+    The overrides replace entries of the tiny vision / text configs (a benchmark builds a
+    real-size random tower this way); max_pixels is the image processor's upper bound.
+    """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     import torch
@@ -146,6 +152,8 @@ def make_tiny_checkpoint(out_dir: str | os.PathLike, *, seed: int = 0, shards: i
         tokens_per_second=2,
         hidden_act="silu",
     )
+    text_config.update(text_overrides or {})
+    vision_config.update(vision_overrides or {})
     config = Qwen2_5_VLConfig(
         text_config=text_config,
         vision_config=vision_config,
@@ -170,7 +178,7 @@ def make_tiny_checkpoint(out_dir: str | os.PathLike, *, seed: int = 0, shards: i
     config.save_pretrained(str(out))
     model.generation_config.save_pretrained(str(out))
     _write_weights(model, out, shards, save_file)
-    _write_processor_files(out, ids)
+    _write_processor_files(out, ids, max_pixels)
     return out
 
 
@@ -196,7 +204,7 @@ def _write_weights(model, out: Path, shards: int, save_file) -> None:
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def _write_processor_files(out: Path, ids: dict[str, int]) -> None:
+def _write_processor_files(out: Path, ids: dict[str, int], max_pixels: int = MAX_PIXELS) -> None:
     preproc = {
         "image_processor_type": "Qwen2VLImageProcessor",
         "processor_class": "Qwen2_5_VLProcessor",
@@ -208,11 +216,11 @@ def _write_processor_files(out: Path, ids: dict[str, int]) -> None:
         "image_mean": [0.48145466, 0.4578275, 0.40821073],
         "image_std": [0.26862954, 0.26130258, 0.27577711],
         "min_pixels": MIN_PIXELS,
-        "max_pixels": MAX_PIXELS,
+        "max_pixels": max_pixels,
         "patch_size": 14,
         "temporal_patch_size": 2,
         "merge_size": 2,
-        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": max_pixels},
     }
     (out / "preprocessor_config.json").write_text(json.dumps(preproc, indent=2))
     (out / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}, indent=2))

@@ -1,4 +1,7 @@
-"""Encoder node wiring: grpc.aio server, interceptor, health + reflection, metrics, load, drain.
+"""Encoder node wiring: grpc.aio server, interceptors, health + reflection, metrics, load, drain.
+
+The port is plaintext or TLS (encdis/tls.py); with API keys, Encode and Describe need one
+(encdis/auth.py) while health and reflection stay open.
 
 Order of events:
   bind the port (health NOT_SERVING; Encode answers UNAVAILABLE "loading") -> load the
@@ -15,13 +18,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from encdis.auth import ApiKeys
+from encdis.auth import interceptors as auth_interceptors
 from encdis.checkpoint import weights_fingerprint
-from encdis.client.pb import encoder_pb2, encoder_pb2_grpc
+from encdis.client.pb import encoder_pb2
 from encdis.encoder_node.batcher import Batcher
 from encdis.encoder_node.fault_hook import with_test_fault
 from encdis.encoder_node.metrics import EncoderMetrics
 from encdis.encoder_node.preprocess import ImagePreprocessor
-from encdis.encoder_node.servicer import EncoderServicer, LoadedModel
+from encdis.encoder_node.servicer import EncoderServicer, LoadedModel, add_encoder_service
 from encdis.encoder_node.settings import EncoderSettings
 from encdis.encoder_node.tower import VisionTower
 from encdis.serving import (
@@ -30,8 +35,10 @@ from encdis.serving import (
     announce_ready,
     install_drain_signal_handlers,
     notify_stopping,
+    start_health_port,
     start_metrics_http,
 )
+from encdis.tls import ServerTLS, add_port
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +72,11 @@ def server_options(settings: EncoderSettings) -> list[tuple[str, int]]:
         ("grpc.max_receive_message_length", max_request),
         ("grpc.max_send_message_length", settings.max_chunk_bytes + (1 << 20)),
         ("grpc.so_reuseport", 0),
+        # Coordinators ping to notice a hung encoder, at most every second (llm_node/settings.py
+        # MIN_KEEPALIVE_SECONDS; half that here for timer jitter): permit it, also between
+        # calls, instead of answering GOAWAY "too_many_pings".
+        ("grpc.http2.min_ping_interval_without_data_ms", 500),
+        ("grpc.keepalive_permit_without_calls", 1),
     ]
 
 
@@ -84,22 +96,27 @@ class EncoderNode:
         self.health = None
         self.port = 0
         self.metrics_port: int | None = None
+        self.health_server: grpc.aio.Server | None = None
+        self.health_port: int | None = None
 
     async def start(self) -> None:
         """Bind and start the server, then load the model; health turns SERVING at the end."""
         s = self.settings
+        api_keys = ApiKeys.configured(s.api_key_file)  # before binding: a bad key file fails the start
         self.server = grpc.aio.server(
-            interceptors=[ErrorMappingInterceptor()], options=server_options(s),
+            interceptors=[*auth_interceptors(api_keys), ErrorMappingInterceptor()], options=server_options(s),
             # Encode calls are limited by the servicer; this hard cap leaves room for health/Describe.
             maximum_concurrent_rpcs=s.max_concurrent_rpcs + HEADROOM_RPCS,
         )
-        encoder_pb2_grpc.add_EncoderServiceServicer_to_server(self.servicer, self.server)
-        self.health = await add_health_and_reflection(self.server, [SERVICE_NAME])
-        self.port = self.server.add_insecure_port(bind_address(s.host, s.port))
+        add_encoder_service(self.servicer, self.server)
+        self.health = await add_health_and_reflection(self.server, [SERVICE_NAME], reflection_enabled=s.reflection)
+        tls = ServerTLS.from_flags(s.tls_cert, s.tls_key, s.tls_client_ca)
+        self.port = add_port(self.server, bind_address(s.host, s.port), tls)
         if self.port == 0:
             raise OSError(f"cannot bind {bind_address(s.host, s.port)}")
         await self.server.start()
-        self.metrics_port = start_metrics_http(s.metrics_port, self.metrics.registry, host=s.host)
+        self.health_server, self.health_port = await start_health_port(self.health, s.host, s.health_port)
+        self.metrics_port = start_metrics_http(s.metrics_port, self.metrics.registry, host=s.metrics_host or s.host)
         log.info("encoder node listening on port %d; loading %s on %s", self.port, s.model, s.device)
         self.model = await asyncio.to_thread(load_model, s, self.metrics)
         self.model.batcher.start()
@@ -123,6 +140,9 @@ class EncoderNode:
     async def stop(self, grace: float | None = None) -> None:
         if self.server is not None:
             await self.server.stop(grace)
+        self.servicer.colocated.close_all()
+        if self.health_server is not None:
+            await self.health_server.stop(None)
         if self.model is not None:
             await self.model.batcher.close()
             self.model.preprocess_pool.shutdown(wait=False, cancel_futures=True)
@@ -143,7 +163,7 @@ async def serve(settings: EncoderSettings) -> int:
         signalled.cancel()
         await node.stop(grace=0)
         return 1
-    announce_ready("encoder", node.port, node.metrics_port)
+    announce_ready("encoder", node.port, node.metrics_port, health_port=node.health_port)
     await signalled
     log.info("encoder node stopped")
     return 0

@@ -5,6 +5,10 @@ its header, reserve its patches in the batcher's queue, preprocess all images (w
 threads), then queue them and stream each embedding back in request order as soon as it
 is ready. A bad image fails the call before anything is streamed. Errors are raised as
 encdis.client.errors exceptions; the shared interceptor turns them into status codes.
+
+Embeddings go out as pre-serialised frames (wire.embedding_frames: each chunk is one copy of
+a slice of the tower's output, made as it is sent), so Encode is registered with a response
+serializer that passes them through (`add_encoder_service`).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import asyncio
 import json
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +28,9 @@ import torch
 import encdis
 from encdis.client.errors import EncdisError, InvalidArgument, ResourceExhausted, Unavailable
 from encdis.client.pb import encoder_pb2, encoder_pb2_grpc
-from encdis.client.wire import embedding_messages
+from encdis.client.wire import BatchInfo, embedding_frames, serialize_response
 from encdis.encoder_node.batcher import Batcher
+from encdis.encoder_node.colocated import ColocatedSessions
 from encdis.encoder_node.decode_budget import DecodeBudget
 from encdis.encoder_node.metrics import EncoderMetrics
 from encdis.encoder_node.preprocess import ImagePreprocessor
@@ -57,8 +62,40 @@ def read_boot_id() -> str:
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """Raw little-endian row-major bytes of a CPU tensor, without a copy."""
+    """Raw little-endian row-major bytes of a CPU tensor, without a copy (unless it is not contiguous)."""
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def reply_frames(index: int, grid_thw: tuple[int, int, int], digest: str, embedding: torch.Tensor, datatype: str,
+                 max_chunk_bytes: int, *, batch: BatchInfo | None = None,
+                 queue_seconds: float = 0.0) -> Iterator[bytes]:
+    """One image's embedding as Encode sends it: its header, then chunks sliced from the tensor in place."""
+    return embedding_frames(
+        image_index=index, grid_thw=grid_thw, datatype=datatype,
+        shape=(int(embedding.shape[0]), int(embedding.shape[1])), data=tensor_bytes(embedding),
+        digest=digest, max_chunk_bytes=max_chunk_bytes, batch=batch, queue_seconds=queue_seconds,
+    )
+
+
+def add_encoder_service(servicer: encoder_pb2_grpc.EncoderServiceServicer, server: grpc.aio.Server) -> None:
+    """Register EncoderService as the generated code does, except that Encode's replies may be frames."""
+    service = encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name
+    handlers = {
+        "Encode": grpc.unary_stream_rpc_method_handler(
+            servicer.Encode, request_deserializer=encoder_pb2.EncodeRequest.FromString,
+            response_serializer=serialize_response),
+        "Describe": grpc.unary_unary_rpc_method_handler(
+            servicer.Describe, request_deserializer=encoder_pb2.DescribeRequest.FromString,
+            response_serializer=encoder_pb2.DescribeResponse.SerializeToString),
+        "OpenColocated": grpc.unary_unary_rpc_method_handler(
+            servicer.OpenColocated, request_deserializer=encoder_pb2.OpenColocatedRequest.FromString,
+            response_serializer=encoder_pb2.OpenColocatedResponse.SerializeToString),
+        "CloseColocated": grpc.unary_unary_rpc_method_handler(
+            servicer.CloseColocated, request_deserializer=encoder_pb2.CloseColocatedRequest.FromString,
+            response_serializer=encoder_pb2.CloseColocatedResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)
 
 
 class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
@@ -69,11 +106,13 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self._draining = False
         self._calls = InFlight(metrics.inflight_requests)
         self._decoding = DecodeBudget(settings.max_decoding_pixels)
+        self.colocated = ColocatedSessions()  # co-located transport sessions (encoder_node/colocated.py)
 
     # ---- lifecycle (called by server.py)
 
     def attach(self, model: LoadedModel) -> None:
         self._model = model
+        self.colocated.tower_device = model.tower.device
 
     def start_draining(self) -> None:
         """From now on new Encode calls get UNAVAILABLE; calls in progress go on."""
@@ -124,8 +163,18 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             image_loader=pre.image_loader,
         )
 
+    async def OpenColocated(self, request: encoder_pb2.OpenColocatedRequest,
+                            context: grpc.aio.ServicerContext) -> encoder_pb2.OpenColocatedResponse:
+        self._ready_model()
+        return await self.colocated.open(request)
+
+    async def CloseColocated(self, request: encoder_pb2.CloseColocatedRequest,
+                             context: grpc.aio.ServicerContext) -> encoder_pb2.CloseColocatedResponse:
+        self.colocated.close(request.session_id)
+        return encoder_pb2.CloseColocatedResponse()
+
     async def Encode(self, request: encoder_pb2.EncodeRequest,
-                     context: grpc.aio.ServicerContext) -> AsyncIterator[encoder_pb2.EncodeResponse]:
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         if self._calls.count >= self.settings.max_concurrent_rpcs:
             # Counted here rather than by gRPC's own limit, so health probes and watches are never refused.
             self.metrics.requests.labels(code="RESOURCE_EXHAUSTED").inc()
@@ -149,7 +198,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             finally:
                 self.metrics.requests.labels(code=code).inc()
 
-    async def _encode(self, request: encoder_pb2.EncodeRequest) -> AsyncIterator[encoder_pb2.EncodeResponse]:
+    async def _encode(self, request: encoder_pb2.EncodeRequest) -> AsyncIterator[bytes]:
         model = self._ready_model()
         s, pre = self.settings, model.preprocessor
         images = request.images
@@ -185,16 +234,19 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             actual = sum(p.num_patches for p in prepared)
             model.batcher.release(reserved - actual)
             reserved = 0
+            session = self.colocated.get(request.colocated_session)  # None: the bytes go as chunks
             for p, fut in zip(prepared, futures, strict=True):
                 enc = await fut
-                data = tensor_bytes(enc.embedding)
-                for msg in embedding_messages(
-                    image_index=p.index, grid_thw=p.grid_thw, datatype=model.tower.datatype,
-                    shape=(int(enc.embedding.shape[0]), int(enc.embedding.shape[1])), data=data,
-                    digest=p.digest, max_chunk_bytes=chunk_bytes, batch=enc.batch, queue_seconds=enc.queue_seconds,
-                ):
-                    yield msg
-                self.metrics.embedding_bytes.inc(len(data))
+                if session is not None:
+                    async for frame in self.colocated.frames(
+                            session, p.index, p.grid_thw, p.digest, enc.embedding, model.tower.datatype,
+                            request.colocated_tag_base + p.index, batch=enc.batch, queue_seconds=enc.queue_seconds):
+                        yield frame
+                else:
+                    for frame in reply_frames(p.index, p.grid_thw, p.digest, enc.embedding, model.tower.datatype,
+                                              chunk_bytes, batch=enc.batch, queue_seconds=enc.queue_seconds):
+                        yield frame
+                self.metrics.embedding_bytes.inc(enc.embedding.numel() * enc.embedding.element_size())
         finally:
             if reserved:
                 model.batcher.release(reserved)

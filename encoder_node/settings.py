@@ -14,6 +14,7 @@ from pathlib import Path
 
 from encdis import settings_flags
 from encdis.settings_flags import DTYPES
+from encdis.tls import check_flags as check_tls_flags
 
 LOADERS = ("vllm", "transformers")  # encoder_node/image_loader.py
 
@@ -44,8 +45,17 @@ class EncoderSettings:
     drain_accept_seconds: float = 1.0
     preprocess_workers: int = 2  # threads decoding and resizing images
     image_loader: str = "vllm"  # how a decoded image becomes RGB: vLLM's serving rules or transformers'
+    # Exposure: TLS (mTLS with a client CA) and API keys on the gRPC port (encdis/tls.py, encdis/auth.py).
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    api_key_file: Path | None = None
+    reflection: bool = True
+    metrics_host: str | None = None  # None: --host
+    health_port: int = -1  # plaintext grpc.health.v1 only, for probes that cannot speak TLS; -1 disables
 
     def __post_init__(self) -> None:
+        check_tls_flags(self.tls_cert, self.tls_key, self.tls_client_ca)
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -93,6 +103,15 @@ _HELP = {
     "drain_accept_seconds": "on SIGTERM, how long new calls are still accepted after health turns NOT_SERVING",
     "preprocess_workers": "threads decoding and resizing images",
     "image_loader": "vllm (EXIF orientation, transparency onto white, as vllm serve) or transformers (as decoded)",
+    "tls_cert": "PEM certificate chain of the gRPC port (TLS; re-read when the file changes); empty: plaintext",
+    "tls_key": "PEM private key of --tls-cert",
+    "tls_client_ca": "PEM CA bundle: clients must present a certificate it signed (mTLS); empty: none required",
+    "api_key_file": "accepted API keys, one per line, re-read when the file changes (or ENCDIS_API_KEY holding "
+                    "one key); callers send 'authorization: Bearer KEY'; health and reflection stay open",
+    "reflection": "serve gRPC server reflection",
+    "metrics_host": "address the metrics endpoint binds (empty: --host)",
+    "health_port": "plaintext port serving only grpc.health.v1, for probes that cannot use TLS; "
+                   "-1 disables, 0 picks one",
 }
 
 

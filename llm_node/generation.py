@@ -36,6 +36,7 @@ class GenerationRequest:
     images: Sequence[bytes]
     sampling: SamplingSpec
     request_id: str
+    deadline: float | None = None  # time.monotonic() seconds the caller waits until (gRPC's deadline)
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ class GenerationService:
             queue_s = encode_s = transfer_s = 0.0
             cached = 0
             if images:
-                result = await self.coordinator.encode(images)
+                result = await self.coordinator.encode(images, deadline=req.deadline)
                 embedded = result.images
                 cached = sum(result.cached)
                 queue_s, encode_s, transfer_s = result.queue_seconds, result.encode_seconds, result.transfer_seconds

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -39,6 +40,12 @@ def checked_request_id(request_id: str) -> str:
     if request_id and not _REQUEST_ID.fullmatch(request_id):
         raise InvalidArgument("request_id may hold only letters, digits and . _ : -")
     return request_id
+
+
+def call_deadline(context: grpc.aio.ServicerContext) -> float | None:
+    """The caller's gRPC deadline as time.monotonic() seconds; None when it set none."""
+    left = context.time_remaining()
+    return None if left is None else time.monotonic() + left
 
 
 def sampling_from_request(req: llm_pb2.GenerateRequest, max_model_len: int) -> SamplingSpec:
@@ -81,6 +88,7 @@ class GenerateServicer(llm_pb2_grpc.GenerateServiceServicer):
             images=list(request.images),
             sampling=sampling_from_request(request, self.settings.max_model_len),
             request_id=request_id,
+            deadline=call_deadline(context),
         )
         async for step in self.service.generate(req):
             msg = llm_pb2.GenerateResponse(text=step.text, token_ids=step.token_ids, request_id=request_id)

@@ -9,7 +9,8 @@ ChatCompletionRequest and answers are vLLM's own response models, so any OpenAI 
 A message's content is a string or `text` / `image_url` parts; each image becomes a
 placeholder in the chat template, in order, as vLLM renders it. Streaming is server-sent
 events ending with `data: [DONE]`; `stream_options.include_usage` adds a last usage chunk.
-Errors are OpenAI's error object: 400 (names the bad image's index), 413, 429 with
+Errors are OpenAI's error object: 400 (names the bad image's index), 401 without a valid
+API key (when the node has keys; /health stays open), 413, 429 with
 Retry-After, 503 while draining or with no encoder, 500 with a fixed message otherwise.
 """
 
@@ -227,10 +228,16 @@ def _usage(step: Step) -> Any:
                      total_tokens=u.prompt_tokens + u.completion_tokens)
 
 
-def build_app(settings: LLMSettings, service: GenerationService, serving_state: Any) -> Any:
-    """The FastAPI app; `serving_state()` is True while the node serves (health)."""
+def build_app(settings: LLMSettings, service: GenerationService, serving_state: Any, api_keys: Any = None) -> Any:
+    """The FastAPI app; `serving_state()` is True while the node serves (health). With `api_keys`
+    (encdis.auth.ApiKeys) every path but /health needs `Authorization: Bearer KEY` (else 401)."""
     front = ChatFront(settings, service)
     app = FastAPI(title="encdis", docs_url=None, redoc_url=None, openapi_url=None)
+    if api_keys is not None:
+        from encdis.auth import HttpApiKeyMiddleware
+
+        app.add_middleware(HttpApiKeyMiddleware, keys=api_keys, open_paths={"/health"},
+                           error_body=lambda why: error_body(HttpError(401, why, "AuthenticationError")))
 
     def error_response(err: HttpError) -> JSONResponse:
         headers = {"Retry-After": RETRY_AFTER_SECONDS} if err.status in (429, 503) else None
@@ -281,10 +288,15 @@ def build_app(settings: LLMSettings, service: GenerationService, serving_state: 
 class HttpFront:
     """uvicorn serving the app as a task of the running loop; the node's drain owns the signals."""
 
-    def __init__(self, app: Any, host: str, port: int) -> None:
+    def __init__(self, app: Any, host: str, port: int, tls: Any = None) -> None:
+        """`tls`: an encdis.tls.ServerTLS for HTTPS (its certificate follows the files), None for HTTP."""
         import uvicorn
 
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+        from encdis.tls import uvicorn_options
+
+        ssl_options = uvicorn_options(tls) if tls is not None else {}
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
+                                **ssl_options)
         self.server = uvicorn.Server(config)
         # uvicorn would take SIGTERM/SIGINT for itself; the node's drain handles them.
         self.server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]

@@ -178,8 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=LLMSettings(model="").max_model_len)
+    p.add_argument("--tp", type=int, default=1, help="vLLM tensor_parallel_size")
     args = p.parse_args(argv)
-    tokens = run_cases(args.model, load_cases(args.cases), dtype=args.dtype, max_model_len=args.max_model_len)
+    tokens = run_cases(args.model, load_cases(args.cases), dtype=args.dtype, max_model_len=args.max_model_len,
+                       tp=args.tp)
     args.out.write_text(json.dumps(tokens))
     print(f"reference: {len(tokens)} cases written to {args.out}")
     return 0

@@ -6,17 +6,24 @@ front doors; the node reports SERVING and prints its ready line only when all ar
 SIGTERM/SIGINT: NOT_SERVING, refuse new requests, let in-flight ones finish (up to the
 grace period), then stop the servers, the coordinator and the engine; exit 0. The engine's
 death: NOT_SERVING at once, stop, exit 3 (a supervisor restarts the node).
+
+Exposure: both front doors take the same TLS certificate (encdis/tls.py) and API keys
+(encdis/auth.py); the coordinator dials encoders with the --encoder-tls-* / key settings.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 import grpc
 from prometheus_client import CollectorRegistry
 
 from encdis import serving
+from encdis.auth import ApiKeys
+from encdis.auth import interceptors as auth_interceptors
+from encdis.client.channels import ChannelSecurity
 from encdis.client.pb import llm_pb2, llm_pb2_grpc
 from encdis.llm_node.engine import EngineHost
 from encdis.llm_node.generation import GenerationService
@@ -25,6 +32,7 @@ from encdis.llm_node.metrics import LLMNodeMetrics
 from encdis.llm_node.prompt import PromptRenderer
 from encdis.llm_node.reaper import EngineReaper
 from encdis.llm_node.settings import LLMSettings
+from encdis.tls import ServerTLS, add_port
 
 log = logging.getLogger(__name__)
 
@@ -41,18 +49,39 @@ ENGINE_WATCH_SECONDS = 0.1
 
 def run_node(settings: LLMSettings) -> int:
     """Run an LLM node until SIGTERM/SIGINT (exit 0) or its engine's death (exit 3)."""
+    try:
+        exposure = Exposure.from_settings(settings)  # bad certificate or key files fail before the engine starts
+    except ValueError as e:
+        log.error("cannot start: %s", e)
+        return 2
     reaper = EngineReaper.start()  # first, so the engine's processes are always reaped
     engine = EngineHost(settings)
     try:
         engine.start()
         log.info("engine processes under watch: %d", reaper.watch_descendants())
-        return asyncio.run(_serve(settings, engine))
+        return asyncio.run(_serve(settings, engine, exposure))
     finally:
         engine.shutdown()
         reaper.close()
 
 
-async def _serve(settings: LLMSettings, engine: EngineHost) -> int:
+@dataclass(frozen=True)
+class Exposure:
+    """The node's TLS, API keys and encoder channel security, read from the files the settings name."""
+
+    tls: ServerTLS | None
+    api_keys: ApiKeys | None
+    encoder_security: ChannelSecurity | None
+
+    @classmethod
+    def from_settings(cls, s: LLMSettings) -> Exposure:
+        from encdis.llm_node.coordinator.channel_security import encoder_channel_security
+
+        return cls(ServerTLS.from_flags(s.tls_cert, s.tls_key, s.tls_client_ca), ApiKeys.configured(s.api_key_file),
+                   encoder_channel_security(s))
+
+
+async def _serve(settings: LLMSettings, engine: EngineHost, exposure: Exposure) -> int:
     from encdis.llm_node.coordinator import Coordinator
 
     towers = await engine.vision_tower()
@@ -62,19 +91,22 @@ async def _serve(settings: LLMSettings, engine: EngineHost) -> int:
 
     registry = CollectorRegistry()
     metrics = LLMNodeMetrics(registry)
-    coordinator = Coordinator.from_checkpoint(settings, registry, settings.model)
+    coordinator = Coordinator.from_checkpoint(settings, registry, settings.model,
+                                              channel_security=exposure.encoder_security)
     await coordinator.start()
     service = GenerationService(settings, engine, coordinator, PromptRenderer(settings.model), metrics)
     servicer = GenerateServicer(settings, service, coordinator)
 
-    server = grpc.aio.server(interceptors=[serving.ErrorMappingInterceptor()], options=SERVER_OPTIONS)
+    server = grpc.aio.server(interceptors=[*auth_interceptors(exposure.api_keys), serving.ErrorMappingInterceptor()],
+                             options=SERVER_OPTIONS)
     llm_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, server)
-    health = await serving.add_health_and_reflection(server, [SERVICE_NAME])
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    health = await serving.add_health_and_reflection(server, [SERVICE_NAME], reflection_enabled=settings.reflection)
+    port = add_port(server, f"{settings.host}:{settings.port}", exposure.tls)
     if port == 0:
         raise RuntimeError(f"could not bind {settings.host}:{settings.port}")
     await server.start()
-    metrics_port = serving.start_metrics_http(settings.metrics_port, registry)
+    health_server, health_port = await serving.start_health_port(health, settings.host, settings.health_port)
+    metrics_port = serving.start_metrics_http(settings.metrics_port, registry, settings.metrics_host or settings.host)
     http_server, http_port = None, None
     if settings.http_port >= 0:
         from encdis.llm_node.http_front import HttpFront, build_app
@@ -86,7 +118,8 @@ async def _serve(settings: LLMSettings, engine: EngineHost) -> int:
                 return False, "no encoder is serving"
             return True, "ok"
 
-        http_server = HttpFront(build_app(settings, service, serving_state), settings.host, settings.http_port)
+        http_server = HttpFront(build_app(settings, service, serving_state, exposure.api_keys), settings.host,
+                                settings.http_port, tls=exposure.tls)
         http_port = await http_server.start()
 
     async def drain() -> None:
@@ -118,8 +151,11 @@ async def _serve(settings: LLMSettings, engine: EngineHost) -> int:
     watcher = asyncio.create_task(watch_engine(), name="encdis-engine-watch")
     serving.install_drain_signal_handlers(asyncio.get_running_loop(), drain)
     await health.set_serving()
-    serving.announce_ready("llm", port, metrics_port, http_port=http_port, vision_tower_parameters=tower_params)
+    serving.announce_ready("llm", port, metrics_port, http_port=http_port, health_port=health_port,
+                           vision_tower_parameters=tower_params)
     await server.wait_for_termination()
+    if health_server is not None:
+        await health_server.stop(None)
     watcher.cancel()
     await coordinator.stop()
     log.info("stopped")

@@ -8,25 +8,39 @@ of a constant value. Knobs are attributes a test sets:
 
     stall_after_header: seconds between an image's header and its first chunk
     queue_seconds, batch_seconds: what each header reports
+    rows_delta: rows more (or, negative, fewer) than the image's grid gives;
+    rows_delta_in_header: True: the header announces those rows too (a self-consistent stream
+        of the wrong size); False: the header announces the right rows, the bytes do not
+    announce_bytes: > 0: the header announces this many bytes (e.g. 2 GiB for a 64-token
+        image) and garbage chunks follow until the caller hangs up (`sent_bytes` counts them)
+    wrong_digest: the header carries another image's digest
+    datatype: what the header says and the bytes are (Describe always says FP32)
+    resource_exhausted: every Encode answers RESOURCE_EXHAUSTED
+
+FakeEncoderThread runs one in a thread with its own event loop, for tests whose own loop
+is not running while the fake must answer (a synchronous test driving an LLM node).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import grpc
 import numpy as np
 
 from encdis import serving
 from encdis.checkpoint import read_processor_config, read_vision_config, text_hidden_size, weights_fingerprint
+from encdis.client.errors import ResourceExhausted
 from encdis.client.pb import encoder_pb2, encoder_pb2_grpc
-from encdis.client.wire import BatchInfo, content_digest, embedding_messages
+from encdis.client.wire import DEFAULT_MAX_CHUNK_BYTES, BatchInfo, content_digest, embedding_messages
 from encdis.image_header import read_header
 from encdis.llm_node.coordinator.identity import ModelIdentity
 from encdis.llm_node.coordinator.patches import grid_for_image
 
 SERVICE = encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name
+NUMPY_DTYPES = {"FP32": "<f4", "FP16": "<f2", "BF16": "<u2"}
 
 
 class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
@@ -38,12 +52,19 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
         self.stall_after_header = 0.0
         self.queue_seconds = 0.0
         self.batch_seconds = 0.01
+        self.rows_delta = 0
+        self.rows_delta_in_header = True
+        self.announce_bytes = 0
+        self.wrong_digest = False
+        self.datatype = "FP32"
+        self.resource_exhausted = False
         self.calls = 0
+        self.sent_bytes = 0  # embedding bytes yielded to gRPC, over all calls
         self.address = ""
         self._server: grpc.aio.Server | None = None
 
     async def start(self) -> FakeEncoder:
-        self._server = grpc.aio.server()
+        self._server = grpc.aio.server(interceptors=[serving.ErrorMappingInterceptor()])
         encoder_pb2_grpc.add_EncoderServiceServicer_to_server(self, self._server)
         health = await serving.add_health_and_reflection(self._server, [SERVICE])
         port = self._server.add_insecure_port("127.0.0.1:0")
@@ -67,6 +88,8 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
 
     async def Encode(self, request, context):
         self.calls += 1
+        if self.resource_exhausted:
+            raise ResourceExhausted("the fake encoder's queue is full")
         ident = self.identity
         grids = []
         for data in request.images:
@@ -76,16 +99,88 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
                                         merge_size=ident.merge_size, temporal_patch_size=ident.temporal_patch_size))
         batch = BatchInfo(seconds=self.batch_seconds, image_patches=tuple(t * h * w for t, h, w in grids))
         for i, (data, grid) in enumerate(zip(request.images, grids, strict=True)):
+            digest = content_digest(b"another image" if self.wrong_digest else bytes(data), request.min_pixels,
+                                    request.max_pixels, self.fingerprint, ident.image_loader)
             rows = grid[0] * grid[1] * grid[2] // ident.merge_size**2
-            emb = np.full((rows, ident.hidden_size), float(i), dtype="<f4")
-            messages = embedding_messages(
-                image_index=i, grid_thw=grid, datatype="FP32", shape=emb.shape, data=emb.tobytes(),
-                digest=content_digest(bytes(data), request.min_pixels, request.max_pixels, self.fingerprint,
-                                      ident.image_loader),
-                batch=batch, queue_seconds=self.queue_seconds,
-            )
+            if self.announce_bytes:
+                async for msg in self._endless(i, grid, digest):
+                    yield msg
+                return
+            messages = self._messages(i, grid, rows, digest, batch)
             yield next(messages)  # the header
             if self.stall_after_header:
                 await asyncio.sleep(self.stall_after_header)
             for msg in messages:
+                self.sent_bytes += len(msg.chunk.data)
                 yield msg
+
+    def _messages(self, index: int, grid, rows: int, digest: str, batch: BatchInfo):
+        """Header and chunks of one image, with rows_delta applied as the knobs say."""
+        hidden = self.identity.hidden_size
+        sent_rows = rows + self.rows_delta
+        emb = np.full((sent_rows, hidden), float(index), dtype=NUMPY_DTYPES[self.datatype])
+        if self.rows_delta_in_header:
+            yield from embedding_messages(image_index=index, grid_thw=grid, datatype=self.datatype,
+                                          shape=emb.shape, data=emb.tobytes(), digest=digest, batch=batch,
+                                          queue_seconds=self.queue_seconds)
+            return
+        # The header of the right size, then the bytes of the wrong one.
+        right = np.zeros((rows, hidden), dtype=NUMPY_DTYPES[self.datatype])
+        header = next(embedding_messages(image_index=index, grid_thw=grid, datatype=self.datatype,
+                                         shape=right.shape, data=right.tobytes(), digest=digest, batch=batch,
+                                         queue_seconds=self.queue_seconds))
+        yield header
+        data = emb.tobytes()
+        for k in range(header.header.num_chunks):
+            part = data if k == header.header.num_chunks - 1 else data[:DEFAULT_MAX_CHUNK_BYTES]
+            data = data[len(part):]
+            yield encoder_pb2.EncodeResponse(
+                chunk=encoder_pb2.EmbeddingChunk(image_index=index, chunk_index=k, data=part))
+
+    async def _endless(self, index: int, grid, digest: str):
+        """A header announcing `announce_bytes`, then garbage chunks until the caller hangs up."""
+        hidden, size = self.identity.hidden_size, np.dtype(NUMPY_DTYPES[self.datatype]).itemsize
+        tokens = self.announce_bytes // (hidden * size)
+        total = tokens * hidden * size
+        chunks = -(-total // DEFAULT_MAX_CHUNK_BYTES)
+        yield encoder_pb2.EncodeResponse(header=encoder_pb2.EmbeddingHeader(
+            image_index=index, grid_thw=list(grid), num_tokens=tokens, hidden_size=hidden, datatype=self.datatype,
+            digest=digest, total_bytes=total, num_chunks=chunks))
+        garbage = bytes(range(256)) * (DEFAULT_MAX_CHUNK_BYTES // 256)  # one buffer, sent again and again
+        for k in range(chunks):
+            part = garbage[: min(len(garbage), total - k * len(garbage))]
+            self.sent_bytes += len(part)
+            yield encoder_pb2.EncodeResponse(
+                chunk=encoder_pb2.EmbeddingChunk(image_index=index, chunk_index=k, data=part))
+
+
+class FakeEncoderThread:
+    """A FakeEncoder serving from its own thread and event loop; set its knobs on `.fake`."""
+
+    def __init__(self, ckpt) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="fake-encoder", daemon=True)
+        self._thread.start()
+        self.fake: FakeEncoder = self._run(self._start(ckpt))
+
+    async def _start(self, ckpt) -> FakeEncoder:
+        return await FakeEncoder(ckpt).start()
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=60)
+
+    @property
+    def address(self) -> str:
+        return self.fake.address
+
+    def stop(self) -> None:
+        self._run(self.fake.stop())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        self._loop.close()
+
+    def __enter__(self) -> FakeEncoderThread:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -7,27 +7,33 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("images", "min_pixels", "max_pixels", "max_chunk_bytes")
+    __slots__ = ("images", "min_pixels", "max_pixels", "max_chunk_bytes", "colocated_session", "colocated_tag_base")
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     MIN_PIXELS_FIELD_NUMBER: _ClassVar[int]
     MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COLOCATED_SESSION_FIELD_NUMBER: _ClassVar[int]
+    COLOCATED_TAG_BASE_FIELD_NUMBER: _ClassVar[int]
     images: _containers.RepeatedScalarFieldContainer[bytes]
     min_pixels: int
     max_pixels: int
     max_chunk_bytes: int
-    def __init__(self, images: _Optional[_Iterable[bytes]] = ..., min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+    colocated_session: str
+    colocated_tag_base: int
+    def __init__(self, images: _Optional[_Iterable[bytes]] = ..., min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., colocated_session: _Optional[str] = ..., colocated_tag_base: _Optional[int] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
-    __slots__ = ("header", "chunk")
+    __slots__ = ("header", "chunk", "first_chunk")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    FIRST_CHUNK_FIELD_NUMBER: _ClassVar[int]
     header: EmbeddingHeader
     chunk: EmbeddingChunk
-    def __init__(self, header: _Optional[_Union[EmbeddingHeader, _Mapping]] = ..., chunk: _Optional[_Union[EmbeddingChunk, _Mapping]] = ...) -> None: ...
+    first_chunk: EmbeddingChunk
+    def __init__(self, header: _Optional[_Union[EmbeddingHeader, _Mapping]] = ..., chunk: _Optional[_Union[EmbeddingChunk, _Mapping]] = ..., first_chunk: _Optional[_Union[EmbeddingChunk, _Mapping]] = ...) -> None: ...
 
 class EmbeddingHeader(_message.Message):
-    __slots__ = ("image_index", "grid_thw", "num_tokens", "hidden_size", "datatype", "digest", "total_bytes", "num_chunks", "batch", "queue_seconds")
+    __slots__ = ("image_index", "grid_thw", "num_tokens", "hidden_size", "datatype", "digest", "total_bytes", "num_chunks", "batch", "queue_seconds", "colocated", "colocated_tag")
     IMAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +44,8 @@ class EmbeddingHeader(_message.Message):
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COLOCATED_FIELD_NUMBER: _ClassVar[int]
+    COLOCATED_TAG_FIELD_NUMBER: _ClassVar[int]
     image_index: int
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
@@ -48,7 +56,9 @@ class EmbeddingHeader(_message.Message):
     num_chunks: int
     batch: BatchTiming
     queue_seconds: float
-    def __init__(self, image_index: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., datatype: _Optional[str] = ..., digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., batch: _Optional[_Union[BatchTiming, _Mapping]] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
+    colocated: bool
+    colocated_tag: int
+    def __init__(self, image_index: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., datatype: _Optional[str] = ..., digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., batch: _Optional[_Union[BatchTiming, _Mapping]] = ..., queue_seconds: _Optional[float] = ..., colocated: _Optional[bool] = ..., colocated_tag: _Optional[int] = ...) -> None: ...
 
 class EmbeddingChunk(_message.Message):
     __slots__ = ("image_index", "chunk_index", "data")
@@ -113,3 +123,35 @@ class DescribeResponse(_message.Message):
     max_chunk_bytes: int
     image_loader: str
     def __init__(self, vision_config_json: _Optional[str] = ..., out_hidden_size: _Optional[int] = ..., weights_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., datatype: _Optional[str] = ..., max_batch_patches: _Optional[int] = ..., max_images_per_request: _Optional[int] = ..., max_image_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ..., patch_size: _Optional[int] = ..., merge_size: _Optional[int] = ..., temporal_patch_size: _Optional[int] = ..., boot_id: _Optional[str] = ..., hostname: _Optional[str] = ..., version: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., image_loader: _Optional[str] = ...) -> None: ...
+
+class OpenColocatedRequest(_message.Message):
+    __slots__ = ("session_id", "store_host", "store_port", "backend", "boot_id", "timeout_seconds")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STORE_HOST_FIELD_NUMBER: _ClassVar[int]
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    store_host: str
+    store_port: int
+    backend: str
+    boot_id: str
+    timeout_seconds: float
+    def __init__(self, session_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., backend: _Optional[str] = ..., boot_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class OpenColocatedResponse(_message.Message):
+    __slots__ = ("device",)
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    def __init__(self, device: _Optional[str] = ...) -> None: ...
+
+class CloseColocatedRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseColocatedResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

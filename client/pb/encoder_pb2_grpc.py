@@ -44,6 +44,16 @@ class EncoderServiceStub:
                 request_serializer=encdis_dot_encoder_dot_v1_dot_encoder__pb2.DescribeRequest.SerializeToString,
                 response_deserializer=encdis_dot_encoder_dot_v1_dot_encoder__pb2.DescribeResponse.FromString,
                 _registered_method=True)
+        self.OpenColocated = channel.unary_unary(
+                '/encdis.encoder.v1.EncoderService/OpenColocated',
+                request_serializer=encdis_dot_encoder_dot_v1_dot_encoder__pb2.OpenColocatedRequest.SerializeToString,
+                response_deserializer=encdis_dot_encoder_dot_v1_dot_encoder__pb2.OpenColocatedResponse.FromString,
+                _registered_method=True)
+        self.CloseColocated = channel.unary_unary(
+                '/encdis.encoder.v1.EncoderService/CloseColocated',
+                request_serializer=encdis_dot_encoder_dot_v1_dot_encoder__pb2.CloseColocatedRequest.SerializeToString,
+                response_deserializer=encdis_dot_encoder_dot_v1_dot_encoder__pb2.CloseColocatedResponse.FromString,
+                _registered_method=True)
 
 
 class EncoderServiceServicer:
@@ -64,6 +74,21 @@ class EncoderServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenColocated(self, request, context):
+        """Co-located transport: join a pairwise torch.distributed group with an LLM node on the
+        same host (the caller hosts the store on loopback); returns once the group is up.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseColocated(self, request, context):
+        """Drop a co-located session (its group); unknown sessions are ignored.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EncoderServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +101,16 @@ def add_EncoderServiceServicer_to_server(servicer, server):
                     servicer.Describe,
                     request_deserializer=encdis_dot_encoder_dot_v1_dot_encoder__pb2.DescribeRequest.FromString,
                     response_serializer=encdis_dot_encoder_dot_v1_dot_encoder__pb2.DescribeResponse.SerializeToString,
+            ),
+            'OpenColocated': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenColocated,
+                    request_deserializer=encdis_dot_encoder_dot_v1_dot_encoder__pb2.OpenColocatedRequest.FromString,
+                    response_serializer=encdis_dot_encoder_dot_v1_dot_encoder__pb2.OpenColocatedResponse.SerializeToString,
+            ),
+            'CloseColocated': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseColocated,
+                    request_deserializer=encdis_dot_encoder_dot_v1_dot_encoder__pb2.CloseColocatedRequest.FromString,
+                    response_serializer=encdis_dot_encoder_dot_v1_dot_encoder__pb2.CloseColocatedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +167,60 @@ class EncoderService:
             '/encdis.encoder.v1.EncoderService/Describe',
             encdis_dot_encoder_dot_v1_dot_encoder__pb2.DescribeRequest.SerializeToString,
             encdis_dot_encoder_dot_v1_dot_encoder__pb2.DescribeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenColocated(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/encdis.encoder.v1.EncoderService/OpenColocated',
+            encdis_dot_encoder_dot_v1_dot_encoder__pb2.OpenColocatedRequest.SerializeToString,
+            encdis_dot_encoder_dot_v1_dot_encoder__pb2.OpenColocatedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseColocated(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/encdis.encoder.v1.EncoderService/CloseColocated',
+            encdis_dot_encoder_dot_v1_dot_encoder__pb2.CloseColocatedRequest.SerializeToString,
+            encdis_dot_encoder_dot_v1_dot_encoder__pb2.CloseColocatedResponse.FromString,
             options,
             channel_credentials,
             insecure,

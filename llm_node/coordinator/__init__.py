@@ -4,9 +4,12 @@ It imports no vLLM and nothing of the engine host; the LLM node's front doors ca
 
 Modules, one role each:
     coordinator      Coordinator: the flow of one request (probe, digest, cache, dispatch)
-    dispatch         Encode streams to encoders, checks on what they send, retries
-    pool             EncoderPool: membership (static and DNS targets), work in flight
-    handle           EncoderHandle: one encoder's connection and state
+    dispatch         Encode streams to encoders, per-attempt bounds, retries
+    expectation      what an encoder must send back for an image, and the check
+    pool             EncoderPool: membership (static and DNS targets), work in flight, penalties
+    penalty          back-offs of quarantined (bad data) and slow (late) encoders
+    handle           EncoderHandle: one encoder's connection, keepalive and state
+    channel_security TLS (verified against the name an encoder was found by), client cert, API key
     health           health watch and Describe; refusal of a mismatched model
     identity         ModelIdentity: what an encoder must match
     discovery        DNS resolution of encoder targets (a Kubernetes headless Service)

@@ -5,20 +5,24 @@ Interface (what the LLM node's front doors call):
     coord = Coordinator(settings, registry, weights_fingerprint=fp, hidden_size=h, processor=cfg)
     # or Coordinator.from_checkpoint(settings, registry, model_dir)
     await coord.start()
-    result = await coord.encode(images)      # EncodeResult; result.images[i].embeds (tokens, hidden)
+    result = await coord.encode(images, deadline=None)  # EncodeResult; result.images[i].embeds (tokens, hidden)
+                                             # deadline: time.monotonic() seconds the caller waits until
     coord.encoders()                         # list[EncoderStatus], for ListEncoders
     await coord.stop()
 
 Flow of one request:
-  1. size from each image's header (encdis.image_header) -> patch count (patches.py:
-     transformers' smart_resize), and its content digest (image bytes + the checkpoint's
+  1. size from each image's header (encdis.image_header) -> patch grid (patches.py:
+     transformers' smart_resize) and so the embedding rows an encoder must send, and its
+     content digest (image bytes + the checkpoint's
      resize bounds + the LLM checkpoint's weights fingerprint); a bad image fails the request
      here, before any encoding: InvalidArgument naming its index;
   2. cached images are done; images another request is already encoding are awaited
      (encoded once); the rest are claimed by this request;
   3. the claimed ones are dispatched (dispatch.py: assignment, one Encode stream per
-     encoder, checks, retries on other encoders); the request fails only when no encoder
-     can serve it: Unavailable("no encoder can serve this request: ...").
+     encoder, checks against what step 1 predicts, per-attempt bounds, quarantine of
+     encoders that misbehave, retries on other encoders); the request fails only when no
+     encoder can serve it: Unavailable("no encoder can serve this request: ..."), or when
+     the caller's deadline passes: DeadlineExceeded.
 """
 
 from __future__ import annotations
@@ -33,13 +37,18 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from encdis.client.errors import InvalidArgument, Unavailable
+from encdis.client.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from encdis.client.wire import content_digest
+from encdis.image_header import ImageHeader
 
-from .dispatch import Dispatcher, PendingImage, RequestTiming
+from .colocated import ColocatedTransport
+from .dispatch import Dispatcher, RequestTiming
 from .embedding_cache import ClaimAbandoned, EmbeddingCache
+from .expectation import PendingImage
+from .handle import keepalive_options
 from .identity import ModelIdentity
 from .metrics import CoordinatorMetrics
+from .penalty import BackoffSchedule
 from .pool import EncoderPool, states_count
 from .records import EncodeResult, EncoderStatus, ImageEmbedding
 
@@ -64,6 +73,25 @@ class CoordinatorSettings:
     encoder_wait_seconds: float = 10.0
     describe_timeout_seconds: float = 10.0
     image_loader: str = "vllm"  # what encoders must use (encoder_node/image_loader.py); part of the digest
+    # HTTP/2 pings on each encoder channel: a peer silent this long after a ping is dropped.
+    keepalive_time_seconds: float = 10.0
+    keepalive_timeout_seconds: float = 5.0
+    # One attempt's bound once the encoder's cost model has data: max(floor, margin * predicted).
+    attempt_timeout_floor_seconds: float = 2.0
+    attempt_timeout_margin: float = 3.0
+    # Out of rotation after bad data (quarantined) or a late attempt (slow): doubling per repeat.
+    quarantine_seconds: float = 5.0
+    quarantine_max_seconds: float = 300.0
+    slow_seconds: float = 5.0
+    slow_max_seconds: float = 60.0
+    # RESOURCE_EXHAUSTED adds this many predicted seconds to the encoder's backlog, decaying.
+    busy_seconds: float = 2.0
+    # Between retry rounds in which every encoder failed the request: exponential, jittered.
+    retry_backoff_seconds: float = 0.05
+    retry_backoff_max_seconds: float = 1.0
+    # Co-located transport (colocated.py): auto, off or require; bound of each transfer.
+    colocated: str = "auto"
+    colocated_timeout_seconds: float = 10.0
 
     @classmethod
     def from_settings(cls, settings: Any) -> CoordinatorSettings:
@@ -86,25 +114,30 @@ class Coordinator:
         weights_fingerprint: str,
         hidden_size: int,
         processor: Mapping[str, Any],
+        channel_security: Any = None,  # encdis.client.channels.ChannelSecurity: TLS / API key to encoders
     ) -> None:
         self.settings = CoordinatorSettings.from_settings(settings)
+        self.channel_security = channel_security
         self.weights_fingerprint = weights_fingerprint
         self.hidden_size = int(hidden_size)
         self.identity = ModelIdentity.from_processor(weights_fingerprint, self.hidden_size, processor,
                                                      self.settings.image_loader)
-        self.metrics = CoordinatorMetrics(registry if registry is not None else CollectorRegistry())
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = CoordinatorMetrics(self.registry)
         self.cache = EmbeddingCache(self.settings.cache_bytes)
         self.pool: EncoderPool | None = None
         self._dispatcher: Dispatcher | None = None
+        self.colocated: ColocatedTransport | None = None
 
     @classmethod
     def from_checkpoint(cls, settings: Any, registry: CollectorRegistry | None,
-                        model_dir: str | os.PathLike) -> Coordinator:
+                        model_dir: str | os.PathLike, channel_security: Any = None) -> Coordinator:
         """A coordinator for the checkpoint in `model_dir` (fingerprint, hidden size, processor)."""
         from encdis.checkpoint import read_processor_config, text_hidden_size, weights_fingerprint
 
         return cls(settings, registry, weights_fingerprint=weights_fingerprint(model_dir),
-                   hidden_size=text_hidden_size(model_dir), processor=read_processor_config(model_dir))
+                   hidden_size=text_hidden_size(model_dir), processor=read_processor_config(model_dir),
+                   channel_security=channel_security)
 
     async def start(self) -> None:
         from .cost_model import CostModel
@@ -113,6 +146,7 @@ class Coordinator:
         s = self.settings
         if not s.encoders:
             log.warning("no encoders configured: every request with images will fail with UNAVAILABLE")
+        self.colocated = ColocatedTransport(s.colocated, s.colocated_timeout_seconds, self.registry)
         self.pool = EncoderPool(
             s.encoders,
             self.identity,
@@ -121,17 +155,31 @@ class Coordinator:
             refresh_seconds=s.dns_refresh_seconds,
             describe_timeout=s.describe_timeout_seconds,
             on_change=self._update_state_gauge,
-            on_remove=self.metrics.forget_encoder,
+            on_remove=self._forget_encoder,
+            quarantine=BackoffSchedule(s.quarantine_seconds, s.quarantine_max_seconds),
+            slow=BackoffSchedule(s.slow_seconds, s.slow_max_seconds),
+            busy_seconds=s.busy_seconds,
+            channel_options=keepalive_options(s.keepalive_time_seconds, s.keepalive_timeout_seconds),
+            channel_security=self.channel_security,
+            on_described=self.colocated.on_described if s.colocated != "off" else None,
         )
         self._dispatcher = Dispatcher(s, self.pool, self.cache, self.metrics, hidden_size=self.hidden_size,
-                                      min_pixels=self.identity.min_pixels, max_pixels=self.identity.max_pixels)
+                                      min_pixels=self.identity.min_pixels, max_pixels=self.identity.max_pixels,
+                                      colocated=self.colocated)
         # Import transformers' smart_resize now, not inside the first request.
-        await asyncio.to_thread(self._patches, 448, 448)
+        await asyncio.to_thread(self._grid, 448, 448)
         await self.pool.start()
 
     async def stop(self) -> None:
         if self.pool is not None:
             await self.pool.stop()
+        if self.colocated is not None:
+            await self.colocated.close()
+
+    def _forget_encoder(self, address: str) -> None:
+        self.metrics.forget_encoder(address)
+        if self.colocated is not None:
+            self.colocated.forget(address)
 
     def encoders(self) -> list[EncoderStatus]:
         if self.pool is None:
@@ -142,21 +190,25 @@ class Coordinator:
                 backlog_seconds=self.pool.backlog_seconds(h), backlog_patches=self.pool.backlog_patches(h),
                 patches_per_second=h.cost_model.patches_per_second, assigned_patches=h.assigned_patches,
                 assigned_images=h.assigned_images,
+                backoff_seconds=h.penalty.seconds if h.penalty else 0.0,
+                faults=h.penalty.faults if h.penalty else 0,
             )
             for h in self.pool.encoders()
         ]
 
     # -- one request -----------------------------------------------------------------
 
-    async def encode(self, images: Sequence[bytes]) -> EncodeResult:
-        """Embeddings of `images`, in order. Raises InvalidArgument (names the image) or Unavailable."""
+    async def encode(self, images: Sequence[bytes], *, deadline: float | None = None) -> EncodeResult:
+        """Embeddings of `images`, in order. Raises InvalidArgument (names the image), Unavailable,
+        or DeadlineExceeded once `deadline` (time.monotonic() seconds; None: none) has passed."""
         if self._dispatcher is None:
             raise Unavailable("the coordinator is not started")
         t0 = time.perf_counter()
         if sum(len(img) for img in images) > OFFLOAD_BYTES:
-            digests, patches = await asyncio.to_thread(self._digest_and_probe, images)
+            digests, grids = await asyncio.to_thread(self._digest_and_probe, images)
         else:
-            digests, patches = self._digest_and_probe(images)
+            digests, grids = self._digest_and_probe(images)
+        rows_per_patch = self.identity.merge_size ** 2
         timing = RequestTiming()
         results: list[ImageEmbedding | None] = [None] * len(images)
         cached = [True] * len(images)
@@ -174,7 +226,8 @@ class Coordinator:
                 fut = self.cache.pending(d)
                 if fut is None:
                     fut = self.cache.claim(d)
-                    owned.append(PendingImage(i, d, patches[i]))
+                    t, h, w = grids[i]
+                    owned.append(PendingImage(i, d, grids[i], t * h * w // rows_per_patch))
                     cached[i] = False
                     self.metrics.cache_misses.inc()
                 else:
@@ -182,10 +235,10 @@ class Coordinator:
                 waits[i] = fut
             todo = []
             if owned:
-                await self._encode_owned(images, owned, timing)
+                await self._encode_owned(images, owned, timing, deadline)
             for i, fut in waits.items():
                 try:
-                    results[i] = await asyncio.shield(fut)
+                    results[i] = await _await_shared(fut, deadline, i)
                 except ClaimAbandoned:
                     todo.append(i)  # its encoder request went away: encode it ourselves
                 except InvalidArgument as e:
@@ -209,43 +262,49 @@ class Coordinator:
         tokens = []
         for i, img in enumerate(images):
             try:
-                header = read_header(bytes(img))
-                tokens.append(self._patches(header.width, header.height) // self.identity.merge_size ** 2)
+                t, h, w = self._header_grid(read_header(bytes(img)))
+                tokens.append(t * h * w // self.identity.merge_size ** 2)
             except ValueError as e:
                 raise InvalidArgument(f"image {i}: {e}") from None
         return tokens
 
-    def _patches(self, width: int, height: int) -> int:
-        from .patches import patches_for_image
+    def _header_grid(self, header: ImageHeader) -> tuple[int, int, int]:
+        """The grid the encoder will give: vLLM's loader turns EXIF-rotated images upright first."""
+        if self.identity.image_loader == "vllm":
+            return self._grid(*header.upright_size)
+        return self._grid(header.width, header.height)
+
+    def _grid(self, width: int, height: int) -> tuple[int, int, int]:
+        from .patches import grid_for_image
 
         ident = self.identity
-        return patches_for_image(width, height, min_pixels=ident.min_pixels, max_pixels=ident.max_pixels,
-                                 patch_size=ident.patch_size, merge_size=ident.merge_size,
-                                 temporal_patch_size=ident.temporal_patch_size)
+        return grid_for_image(width, height, min_pixels=ident.min_pixels, max_pixels=ident.max_pixels,
+                              patch_size=ident.patch_size, merge_size=ident.merge_size,
+                              temporal_patch_size=ident.temporal_patch_size)
 
-    def _digest_and_probe(self, images: Sequence[bytes]) -> tuple[list[str], list[int]]:
-        """Content digest and patch count of every image; InvalidArgument for the first bad one."""
+    def _digest_and_probe(self, images: Sequence[bytes]) -> tuple[list[str], list[tuple[int, int, int]]]:
+        """Content digest and patch grid of every image; InvalidArgument for the first bad one."""
         from encdis.image_header import read_header
 
         ident = self.identity
-        digests, patches = [], []
+        digests, grids = [], []
         for i, img in enumerate(images):
             data = bytes(img)
             try:
-                header = read_header(data)
-                patches.append(self._patches(header.width, header.height))
+                grids.append(self._header_grid(read_header(data)))
             except ValueError as e:
                 raise InvalidArgument(f"image {i}: {e}") from None
             digests.append(content_digest(data, ident.min_pixels, ident.max_pixels, self.weights_fingerprint,
                                           ident.image_loader))
-        return digests, patches
+        return digests, grids
 
-    async def _encode_owned(self, images: Sequence[bytes], jobs: list[PendingImage], timing: RequestTiming) -> None:
+    async def _encode_owned(self, images: Sequence[bytes], jobs: list[PendingImage], timing: RequestTiming,
+                            deadline: float | None) -> None:
         """Encode the images this request claimed; every claim ends fulfilled or failed."""
         assert self._dispatcher is not None
         remaining: dict[int, PendingImage] = {j.index: j for j in jobs}
         try:
-            await self._dispatcher.run(images, remaining, timing)
+            await self._dispatcher.run(images, remaining, timing, deadline)
         except BaseException as e:
             for job in remaining.values():
                 # The image that was bad is bad for everyone; the others are not: waiters retry them.
@@ -260,3 +319,15 @@ class Coordinator:
             return
         for state, n in states_count(self.pool.encoders()).items():
             self.metrics.encoders.labels(state).set(n)
+
+
+async def _await_shared(fut: asyncio.Future[ImageEmbedding], deadline: float | None, index: int) -> ImageEmbedding:
+    """An image's embedding from the cache's future, waiting at most until `deadline`; the
+    future is shielded: another request may own the encode and still want it."""
+    if deadline is None:
+        return await asyncio.shield(fut)
+    try:
+        return await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - time.monotonic()))
+    except (TimeoutError, asyncio.TimeoutError):
+        raise DeadlineExceeded(f"the request's deadline passed waiting for image {index}, "
+                               f"which another request is encoding") from None

@@ -3,11 +3,23 @@
 Each round assigns the images still missing (assignment.assign: decreasing cost, earliest
 predicted finish over the SERVING encoders' cost models and backlogs) and runs one Encode
 stream per chosen encoder concurrently. Each embedding, as it arrives, is checked against
-what was asked (hidden size, digest), turned into a tensor over the received bytes
-(torch.frombuffer, never pickle) and handed to the cache; each batch timing goes to that
-encoder's cost model. A failed call (UNAVAILABLE, reset, DEADLINE_EXCEEDED, broken stream):
-the images not yet received go to other encoders, each at most `max_retries` times;
-INVALID_ARGUMENT is not retried and names the image in the request's numbering.
+what the coordinator knows before any encoder answers (the image's grid from its header,
+rows = t*h*w / merge_size**2, the LLM's hidden size, the encoder's described datatype, our
+own digest), turned into a tensor over the received bytes (torch.frombuffer, never pickle)
+and handed to the cache; each batch timing goes to that encoder's cost model.
+
+Encoders are not trusted. One that sends anything else (or breaks the wire contract) is
+quarantined (pool.penalise) and its images go elsewhere. Each attempt is bounded by the
+encoder's predicted cost (its backlog plus these images, times a margin, at least a floor;
+`encode_timeout_seconds` until its cost model has seen a batch) and by the caller's
+deadline: an attempt past its own bound marks the encoder slow and moves its images (to a
+slow one only when no encoder is serving: late beats refused); past the caller's deadline,
+the request fails with DEADLINE_EXCEEDED. RESOURCE_EXHAUSTED makes the encoder look busier
+for a while. Other failures (UNAVAILABLE, reset, broken stream)
+mark it unhealthy until its health watch re-checks it. Each image is re-sent at most
+`max_retries` times; rounds in which every encoder failed the request are spaced by an
+exponential back-off with jitter. INVALID_ARGUMENT is not retried and names the image in
+the request's numbering.
 """
 
 from __future__ import annotations
@@ -15,14 +27,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import re
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from encdis.client.errors import (
+    DeadlineExceeded,
     EncdisError,
     FailedPrecondition,
     InvalidArgument,
@@ -30,10 +43,13 @@ from encdis.client.errors import (
     Unavailable,
     WireError,
 )
-from encdis.client.wire import DATATYPES, Embedding
+from encdis.client.wire import DATATYPES, Embedding, ExpectedEmbedding
 
 from .assignment import assign
+from .colocated import ColocatedTransport
+from .colocated_link import ColocatedFailure
 from .embedding_cache import EmbeddingCache
+from .expectation import PendingImage, embedding_mismatch, expected_datatype
 from .handle import EncoderHandle, EncoderState
 from .metrics import CoordinatorMetrics
 from .pool import EncoderPool
@@ -47,15 +63,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _IMAGE_INDEX = re.compile(r"\bimage (\d+)")
-
-
-@dataclass(frozen=True)
-class PendingImage:
-    """An image this request must have encoded: its place in the request, key and size."""
-
-    index: int  # in the request's numbering
-    digest: str
-    patches: int
 
 
 @dataclass
@@ -80,8 +87,10 @@ class Dispatcher:
     """Runs the encode rounds of requests over one pool, cache and set of metrics."""
 
     def __init__(self, settings: CoordinatorSettings, pool: EncoderPool, cache: EmbeddingCache,
-                 metrics: CoordinatorMetrics, *, hidden_size: int, min_pixels: int, max_pixels: int) -> None:
+                 metrics: CoordinatorMetrics, *, hidden_size: int, min_pixels: int, max_pixels: int,
+                 colocated: ColocatedTransport | None = None) -> None:
         self.settings = settings
+        self.colocated = colocated  # co-located pairs (colocated.py); None: gRPC only
         self.pool = pool
         self.cache = cache
         self.metrics = metrics
@@ -91,17 +100,23 @@ class Dispatcher:
         # Idle encoders tie on predicted finish and assign() then picks the first: rotating
         # the candidates' order per round spreads ties instead of favouring one encoder.
         self._rotation = 0
+        self._random = random.Random()
 
-    async def run(self, images: Sequence[bytes], remaining: dict[int, PendingImage], timing: RequestTiming) -> None:
+    async def run(self, images: Sequence[bytes], remaining: dict[int, PendingImage], timing: RequestTiming,
+                  deadline: float | None = None) -> None:
         """Encode the `remaining` images into the cache, removing each as it arrives.
 
-        Raises when one cannot be encoded anywhere; `remaining` then holds those not encoded.
+        `deadline` (time.monotonic() seconds, None: none) bounds every attempt and wait.
+        Raises when one cannot be encoded anywhere (or in time); `remaining` then holds those
+        not encoded.
         """
         attempts = dict.fromkeys(remaining, 0)
         excluded: set[str] = set()  # encoders that already failed this request
         failures: list[str] = []
+        failed_rounds = 0
         while remaining:
-            routable = await self._routable(timing, failures)
+            _check_deadline(deadline, remaining, failures)
+            routable = await self._routable(timing, failures, deadline)
             candidates = [h for h in routable if h.address not in excluded] or routable
             self._rotation += 1
             shift = self._rotation % len(candidates)
@@ -111,7 +126,8 @@ class Dispatcher:
             for h, _ in calls:
                 self.pool.acquire(h)
             try:
-                outcomes = await _run_all([self._call(h, images, group, remaining, timing) for h, group in calls])
+                outcomes = await _run_all([self._call(h, images, group, remaining, timing, deadline)
+                                           for h, group in calls])
             finally:
                 for h, _ in calls:
                     self.pool.release(h)
@@ -119,10 +135,38 @@ class Dispatcher:
                 if failure is not None:
                     self._count_failure(failure, remaining, attempts, excluded, failures, timing)
             if remaining and all(h.address in excluded for h in self.pool.serving()):
-                # Every encoder failed this request once already: do not hammer them in a tight loop.
-                pause = min(1.0, 0.05 * 2 ** max(attempts.values(), default=0))
+                # Every encoder failed this request once already: do not hammer them in a tight
+                # loop, nor all at once with the other requests that failed with this one.
+                failed_rounds += 1
+                pause = self._pause(failed_rounds)
+                if deadline is not None:
+                    pause = max(0.0, min(pause, deadline - time.monotonic()))
                 await asyncio.sleep(pause)
                 timing.wait += pause
+
+    def _pause(self, failed_rounds: int) -> float:
+        """Exponential back-off with jitter: half of base * 2**(rounds-1) (capped) fixed, half random."""
+        s = self.settings
+        cap = min(s.retry_backoff_max_seconds, s.retry_backoff_seconds * 2 ** (failed_rounds - 1))
+        return cap * (0.5 + 0.5 * self._random.random())
+
+    def attempt_timeout(self, h: EncoderHandle, jobs: Sequence[PendingImage],
+                        deadline: float | None) -> tuple[float, float, bool]:
+        """(timeout, predicted seconds, bounded by the caller) of one Encode call of `jobs` to `h`.
+
+        The prediction is the encoder's queued work plus these images on its cost model; before
+        that model has seen a batch it means nothing, and the bound is encode_timeout_seconds.
+        """
+        s = self.settings
+        predicted = self.pool.backlog_seconds(h) + sum(h.cost_model.predict(j.patches) for j in jobs)
+        bound = s.encode_timeout_seconds
+        if h.cost_model.observations > 0:
+            bound = min(bound, max(s.attempt_timeout_floor_seconds, s.attempt_timeout_margin * predicted))
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= bound:
+                return max(left, 1e-3), predicted, True
+        return bound, predicted, False
 
     def _plan(self, candidates: list[EncoderHandle],
               order: list[PendingImage]) -> list[tuple[EncoderHandle, list[PendingImage]]]:
@@ -161,28 +205,38 @@ class Dispatcher:
         timing.retries += len(left)
         self.metrics.retries.inc(len(left))
 
-    async def _routable(self, timing: RequestTiming, failures: list[str]) -> list[EncoderHandle]:
-        """The SERVING encoders, waiting (bounded) for ones still connecting or being re-checked."""
-        t0 = time.perf_counter()
-        deadline = t0 + self.settings.encoder_wait_seconds
+    async def _routable(self, timing: RequestTiming, failures: list[str],
+                        deadline: float | None) -> list[EncoderHandle]:
+        """The SERVING encoders (else the slow ones), waiting (bounded) for ones still connecting."""
+        t0 = time.monotonic()
+        until = t0 + self.settings.encoder_wait_seconds
+        if deadline is not None:
+            until = min(until, deadline)
         try:
             while True:
-                routable = self.pool.serving()
+                routable = self.pool.serving() or self.pool.slow_but_serving()
                 if routable:
                     return routable
+                # A penalised encoder is not waited for: its back-off outlasts any request.
                 settling = [h for h in self.pool.encoders()
                             if (h.settling or h.state is EncoderState.CONNECTING) and not h.gone]
-                left = deadline - time.perf_counter()
+                left = until - time.monotonic()
                 if not settling or left <= 0:
                     tail = f"; after failures: {'; '.join(failures[-3:])}" if failures else ""
+                    if settling and deadline is not None and until == deadline:
+                        raise DeadlineExceeded(f"the request's deadline passed waiting for an encoder: "
+                                               f"{self.pool.summary()}{tail}")
                     raise Unavailable(f"no encoder can serve this request: {self.pool.summary()}{tail}")
                 await self.pool.wait_changed(left)
         finally:
-            timing.wait += time.perf_counter() - t0
+            timing.wait += time.monotonic() - t0
 
     async def _call(self, h: EncoderHandle, images: Sequence[bytes], jobs: list[PendingImage],
-                    remaining: dict[int, PendingImage], timing: RequestTiming) -> _CallFailure | None:
+                    remaining: dict[int, PendingImage], timing: RequestTiming,
+                    deadline: float | None) -> _CallFailure | None:
         """One Encode stream to `h`; None on success, a _CallFailure when others should retry."""
+        timeout, predicted, by_caller = self.attempt_timeout(h, jobs, deadline)
+        datatype = expected_datatype(h)
         tickets = []
         for j in jobs:
             tickets.append(self.pool.add_work(h, j.patches))
@@ -192,14 +246,18 @@ class Dispatcher:
         try:
             stream = h.client.encode_iter(
                 [bytes(images[j.index]) for j in jobs], min_pixels=self.min_pixels, max_pixels=self.max_pixels,
-                timeout=self.settings.encode_timeout_seconds,
+                timeout=timeout,
+                # The receiver refuses a header that disagrees before it allocates anything.
+                expected=[ExpectedEmbedding(j.rows, self.hidden_size, datatype or "", j.patches) for j in jobs],
+                on_embedding_bytes=self.metrics.embedding_bytes_received.inc,
+                colocated=self.colocated.receiver(h) if self.colocated is not None else None,
             )
             async with contextlib.aclosing(stream):  # cancel the RPC at once if we stop reading
                 async for emb in stream:
                     pos = emb.image_index
                     job = jobs[pos]
                     t0 = time.perf_counter()
-                    entry = self._check(emb, job)
+                    entry = self._check(emb, job, datatype)
                     timing.transfer = max(timing.transfer, emb.receive_seconds + time.perf_counter() - t0)
                     done.add(pos)
                     self.pool.complete_work(tickets[pos])
@@ -213,11 +271,28 @@ class Dispatcher:
             return None
         except InvalidArgument as e:
             raise _request_numbering(e, jobs) from None
-        except FailedPrecondition as e:
-            self.pool.report_failure(h, str(e), refuse=True)
+        except ColocatedFailure as e:
+            # The pair failed, not the encoder (the pair is closed): the images go again, over gRPC.
             return _CallFailure(h, e, jobs)
+        except (FailedPrecondition, WireError) as e:
+            # It sent something other than what was asked (or claims a model mismatch mid-call).
+            self.metrics.encoder_faults.labels(h.address, "bad_embedding").inc()
+            self.pool.penalise(h, EncoderState.QUARANTINED, e.message)
+            return _CallFailure(h, e, jobs)
+        except DeadlineExceeded:
+            left = [j.index for pos, j in enumerate(jobs) if pos not in done]
+            if by_caller:
+                raise DeadlineExceeded(f"the request's deadline passed while {h.address} encoded image(s) {left}; "
+                                       f"retries so far: {timing.retries}") from None
+            self.metrics.encoder_faults.labels(h.address, "timeout").inc()
+            why = (f"an Encode of {len(jobs)} image(s) ran past its {timeout:.3g}s bound "
+                   f"(predicted {predicted:.3g}s with its backlog)")
+            self.pool.penalise(h, EncoderState.SLOW, why)
+            return _CallFailure(h, Unavailable(f"{why}; image(s) {left} sent elsewhere"), jobs)
         except ResourceExhausted as e:
-            return _CallFailure(h, e, jobs)  # busy, not broken: just try elsewhere
+            self.metrics.encoder_faults.labels(h.address, "busy").inc()
+            self.pool.report_busy(h)  # busy, not broken: send it less for a while, try elsewhere
+            return _CallFailure(h, e, jobs)
         except EncdisError as e:
             if e.code.name != "INTERNAL":
                 self.pool.report_failure(h, f"Encode failed: {e}")
@@ -233,31 +308,21 @@ class Dispatcher:
                 if pos not in done:
                     self.pool.complete_work(ticket)
 
-    def _check(self, emb: Embedding, job: PendingImage) -> ImageEmbedding:
-        """The received embedding as a tensor, after checking it is the one we asked for."""
-        if emb.shape[1] != self.hidden_size:
-            raise FailedPrecondition(f"encoder sent hidden size {emb.shape[1]}, the LLM needs {self.hidden_size}")
-        if emb.digest and emb.digest != job.digest:
-            raise FailedPrecondition(
-                f"encoder's digest {emb.digest[:16]}... for image {job.index} differs from ours "
-                f"{job.digest[:16]}... (other weights or resize bounds)"
-            )
-        t, hh, w = emb.grid_thw
-        if t * hh * w != job.patches:
-            log.warning("image %d has %d patches, %d predicted from its header", job.index, t * hh * w, job.patches)
+    def _check(self, emb: Embedding, job: PendingImage, datatype: str | None) -> ImageEmbedding:
+        """The received embedding as a tensor, after checking it is exactly the one we asked for."""
+        problem = embedding_mismatch(emb, job, self.hidden_size, datatype)
+        if problem is not None:
+            raise FailedPrecondition(f"image {job.index}: {problem}")
         return ImageEmbedding(embeds=embedding_tensor(emb), grid_thw=emb.grid_thw, digest=job.digest)
 
 
 def embedding_tensor(emb: Embedding) -> torch.Tensor:
-    """A (tokens, hidden) tensor over the received bytes: no copy, never unpickled."""
+    """A (tokens, hidden) tensor over the buffer the receiver filled in place: no copy, never unpickled."""
     import torch
 
     if emb.datatype not in DATATYPES:
         raise WireError(f"image {emb.image_index}: unknown datatype {emb.datatype!r}")
-    with warnings.catch_warnings():
-        # The bytes are ours alone and never written to.
-        warnings.filterwarnings("ignore", message=".*buffer is not writable.*")
-        t = torch.frombuffer(emb.data, dtype=getattr(torch, DATATYPES[emb.datatype].torch))
+    t = torch.frombuffer(emb.data, dtype=getattr(torch, DATATYPES[emb.datatype].torch))
     return t.view(emb.shape[0], emb.shape[1])
 
 
@@ -271,6 +336,12 @@ async def _run_all(calls: list) -> list[_CallFailure | None]:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+def _check_deadline(deadline: float | None, remaining: dict[int, PendingImage], failures: list[str]) -> None:
+    if deadline is not None and time.monotonic() >= deadline:
+        tail = f"; after failures: {'; '.join(failures[-3:])}" if failures else ""
+        raise DeadlineExceeded(f"the request's deadline passed with image(s) {sorted(remaining)} not encoded{tail}")
 
 
 def _request_numbering(e: InvalidArgument, jobs: list[PendingImage]) -> InvalidArgument:

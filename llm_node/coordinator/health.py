@@ -6,13 +6,16 @@ with the reason and never routed to. NOT_SERVING from a node seen serving since 
 connection was made means draining; from one not seen serving, still loading. A broken
 stream marks it unhealthy and the watch reconnects with backoff; `EncoderHandle.kick`
 restarts the watch at once (after a failed call, to re-check rather than trust the stream).
+The watch sets the health view only: a penalty (quarantined, slow) is the pool's and
+outlasts any SERVING the watch reports until the pool's own probe lifts it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -33,10 +36,13 @@ class HealthWatcher:
     """Keeps each encoder's state in step with its health stream; states go through `set_state`."""
 
     def __init__(self, identity: ModelIdentity, describe_timeout: float,
-                 set_state: Callable[..., None]) -> None:
+                 set_state: Callable[..., None],
+                 on_described: Callable[[EncoderHandle, Any], Awaitable[str | None]] | None = None) -> None:
         self.identity = identity
         self.describe_timeout = describe_timeout
         self._set_state = set_state
+        # After each Describe of a matching encoder (colocated.py: open its pair); a reason refuses it.
+        self._on_described = on_described
 
     async def run(self, h: EncoderHandle) -> None:
         """Follow `h`'s health until cancelled, reconnecting with backoff."""
@@ -88,7 +94,10 @@ class HealthWatcher:
                         described = True
                         h.description = desc
                         refusal = refusal_reason(desc, self.identity)
-                        if refusal is not None and (h.state is not EncoderState.REFUSED or h.reason != refusal):
+                        if refusal is None and self._on_described is not None:
+                            refusal = await self._on_described(h, desc)
+                        if refusal is not None and (h.health_state is not EncoderState.REFUSED
+                                                    or h.health_reason != refusal):
                             log.warning("encoder %s refused: %s", h.address, refusal)
                     if refusal is not None:
                         self._set_state(h, EncoderState.REFUSED, refusal)
@@ -97,7 +106,7 @@ class HealthWatcher:
                 elif status == health_pb2.HealthCheckResponse.NOT_SERVING:
                     if not h.was_serving:
                         self._set_state(h, EncoderState.CONNECTING, "health NOT_SERVING: still loading")
-                    elif h.state is not EncoderState.REFUSED:
+                    elif h.health_state is not EncoderState.REFUSED:
                         self._set_state(h, EncoderState.DRAINING, "health NOT_SERVING")
                 elif status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN:
                     self._set_state(h, EncoderState.UNHEALTHY, f"health service does not know {ENCODER_SERVICE}")
@@ -109,8 +118,6 @@ class HealthWatcher:
         finally:
             call.cancel()
         return got_answer
-
-
 
 
 def _describe_error(exc: BaseException) -> str:

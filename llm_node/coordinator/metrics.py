@@ -6,6 +6,8 @@ import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+FAULT_KINDS = ("bad_embedding", "timeout", "busy")
+
 
 class CoordinatorMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -22,11 +24,23 @@ class CoordinatorMetrics:
                                     registry=registry)
         self.encoders = Gauge("encdis_coordinator_encoders", "Encoders in the pool by state", ["state"],
                               registry=registry)
+        self.encoder_faults = Counter(
+            "encdis_coordinator_encoder_faults_total",
+            "Encode calls that went wrong on the encoder's side, by kind: bad_embedding (it sent other "
+            "than what was asked: quarantined), timeout (past its predicted-cost bound: slow), busy "
+            "(RESOURCE_EXHAUSTED)", ["encoder", "kind"], registry=registry)
         self.cache_bytes = Gauge("encdis_coordinator_cache_bytes", "Bytes held by the embedding cache",
                                  registry=registry)
+        # Counted once per embedding as the coordinator receives it, whatever the engine's TP size.
+        self.embedding_bytes_received = Counter(
+            "encdis_coordinator_embedding_bytes_received_total", "Bytes of the embeddings received from encoders",
+            registry=registry)
 
     def forget_encoder(self, address: str) -> None:
         """Drop a departed encoder's series: DNS churn must not grow label cardinality forever."""
         for counter in (self.assignments, self.assigned_patches):
             with contextlib.suppress(KeyError):
                 counter.remove(address)
+        for kind in FAULT_KINDS:
+            with contextlib.suppress(KeyError):
+                self.encoder_faults.remove(address, kind)

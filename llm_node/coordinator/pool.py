@@ -5,7 +5,11 @@ resolves to every encoder pod); names are re-resolved every `refresh_seconds`, s
 encoders join without a restart and addresses that vanish leave once idle. Each encoder
 is an EncoderHandle (handle.py) with one grpc.aio channel, and a task following its health
 (health.py: Watch, Describe, refusal of a mismatched model). The pool also keeps the
-outstanding work per encoder that the assignment policy reads (`loads`).
+outstanding work per encoder that the assignment policy reads (`loads`), and the penalties
+(penalty.py) of encoders that misbehaved (quarantined) or ran late (slow): a penalised
+encoder gets no work until its back-off is over and it has answered a fresh Describe
+(`_probe`). One that answered RESOURCE_EXHAUSTED looks `busy_seconds` more loaded, decaying,
+so the policy sends it less for a while.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from .assignment import Backlog, EncoderLoad
 from .discovery import Resolver, is_ip_literal, join_host_port, split_host_port
 from .handle import EncoderHandle, EncoderState
 from .health import HealthWatcher
-from .identity import ModelIdentity
+from .identity import ModelIdentity, refusal_reason
+from .penalty import BackoffSchedule, FaultRecord, Penalty
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +44,22 @@ class EncoderPool:
         describe_timeout: float = 10.0,
         on_change: Callable[[], None] | None = None,
         on_remove: Callable[[str], None] | None = None,
+        quarantine: BackoffSchedule | None = None,
+        slow: BackoffSchedule | None = None,
+        busy_seconds: float = 2.0,
+        channel_options: list[tuple[str, Any]] | None = None,
+        channel_security: Any = None,  # encdis.client.channels.ChannelSecurity: TLS / API key to encoders
+        on_described: Callable[..., Any] | None = None,  # health.HealthWatcher's hook (co-located pairs)
     ) -> None:
         self.targets = [(t.strip(), *split_host_port(t)) for t in targets if t.strip()]
         self.identity = identity
-        self._watcher = HealthWatcher(identity, describe_timeout, self._set)
+        self.describe_timeout = describe_timeout
+        self._watcher = HealthWatcher(identity, describe_timeout, self._set, on_described)
+        self._schedules = {EncoderState.QUARANTINED: quarantine or BackoffSchedule(5.0, 300.0),
+                           EncoderState.SLOW: slow or BackoffSchedule(5.0, 60.0)}
+        self.busy_seconds = busy_seconds
+        self.channel_options = channel_options
+        self.channel_security = channel_security
         self.cost_model_factory = cost_model_factory
         self.resolver = resolver or Resolver()
         self.refresh_seconds = refresh_seconds
@@ -78,6 +95,18 @@ class EncoderPool:
     def serving(self) -> list[EncoderHandle]:
         return [h for h in self._handles.values() if h.routable]
 
+    def slow_but_serving(self) -> list[EncoderHandle]:
+        """Encoders out of rotation only for running late, healthy otherwise; soonest back first.
+
+        Late is relative: when every encoder is slow (a pause of the whole host, a burst),
+        the least penalised one is still the best place for an image, better than refusing.
+        Quarantined ones (bad data) are never in this list.
+        """
+        slow = [h for h in self._handles.values()
+                if h.penalty is not None and h.penalty.state == EncoderState.SLOW.value
+                and h.health_state is EncoderState.SERVING and not h.gone]
+        return sorted(slow, key=lambda h: h.penalty.until)
+
     def summary(self) -> str:
         """One line naming every encoder's state, for error messages."""
         if not self.targets:
@@ -110,16 +139,16 @@ class EncoderPool:
         self._backlog.complete(ticket, time.monotonic())
 
     def backlog_seconds(self, h: EncoderHandle) -> float:
-        return self._backlog.seconds(h.address, h.cost_model, time.monotonic())
+        """Predicted seconds of work queued on `h`, plus what a recent RESOURCE_EXHAUSTED adds."""
+        now = time.monotonic()
+        return self._backlog.seconds(h.address, h.cost_model, now) + max(0.0, h.busy_until - now)
 
     def backlog_patches(self, h: EncoderHandle) -> int:
         return sum(self._backlog.outstanding(h.address))
 
     def loads(self, handles: Sequence[EncoderHandle]) -> list[EncoderLoad]:
         """The `encoders` argument of assignment.assign for these handles."""
-        now = time.monotonic()
-        return [EncoderLoad(h.address, self._backlog.seconds(h.address, h.cost_model, now), h.cost_model)
-                for h in handles]
+        return [EncoderLoad(h.address, self.backlog_seconds(h), h.cost_model) for h in handles]
 
     # -- what the coordinator reports ------------------------------------------------
 
@@ -134,19 +163,79 @@ class EncoderPool:
             self._background.add(task)  # the loop keeps only weak references to tasks
             task.add_done_callback(self._background.discard)
 
-    def report_failure(self, h: EncoderHandle, reason: str, *, refuse: bool = False) -> None:
+    def report_failure(self, h: EncoderHandle, reason: str) -> None:
         """A call to `h` failed: take it out of rotation until its health watch says otherwise."""
-        if h.state is EncoderState.REFUSED:
+        if h.health_state is EncoderState.REFUSED:
             return
-        if refuse:
-            log.warning("encoder %s refused: %s", h.address, reason)
-            self._set(h, EncoderState.REFUSED, reason)
-        else:
-            self._set(h, EncoderState.UNHEALTHY, reason)
-            # Reconnect and re-Describe now rather than trusting the old watch stream; requests
-            # may wait for the outcome (a transient reset should not fail them).
-            h.settling = True
+        self._set(h, EncoderState.UNHEALTHY, reason)
+        # Reconnect and re-Describe now rather than trusting the old watch stream; requests
+        # may wait for the outcome (a transient reset should not fail them).
+        h.settling = h.penalty is None
         h.kick.set()
+
+    def report_busy(self, h: EncoderHandle) -> None:
+        """`h` answered RESOURCE_EXHAUSTED: it looks `busy_seconds` more loaded, decaying."""
+        h.busy_until = max(h.busy_until, time.monotonic() + self.busy_seconds)
+
+    def penalise(self, h: EncoderHandle, state: EncoderState, reason: str) -> None:
+        """Out of rotation for a back-off growing with repeats: QUARANTINED (bad data) or SLOW (late).
+
+        Faults of calls that were already under way when a penalty began do not count again
+        (a burst of requests to one bad encoder is one fault), except that bad data replaces
+        a slow penalty.
+        """
+        schedule = self._schedules[state]
+        current = h.penalty
+        if current is not None and not (state is EncoderState.QUARANTINED and current.state != state.value):
+            return
+        now = time.monotonic()
+        faults = h.faults.setdefault(state, FaultRecord()).strike(now, schedule)
+        seconds = schedule.seconds(faults)
+        h.penalty = Penalty(state.value, reason, faults, seconds, now + seconds)
+        h.settling = False
+        log.warning("encoder %s %s for %gs (fault %d in a row): %s", h.address, state.value, seconds, faults, reason)
+        if h.probe_task is None or h.probe_task.done():
+            h.probe_task = asyncio.get_running_loop().create_task(self._probe(h), name=f"encdis-probe-{h.address}")
+        self._notify()
+
+    async def _probe(self, h: EncoderHandle) -> None:
+        """Lift `h`'s penalty once its back-off is over and it answers Describe with the right identity.
+
+        A Describe that fails (a frozen process, a dropped connection) counts as another
+        fault: the next back-off is longer.
+        """
+        while (p := h.penalty) is not None:
+            delay = p.until - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+                continue
+            p.probing = True
+            self._notify()
+            try:
+                desc = await h.client.describe(timeout=self.describe_timeout)
+            except Exception as e:  # whatever broke, the penalty must not outlive this task
+
+                if h.penalty is p:
+                    state = EncoderState(p.state)
+                    faults = h.faults[state].strike(time.monotonic(), self._schedules[state])
+                    seconds = self._schedules[state].seconds(faults)
+                    h.penalty = Penalty(p.state, p.reason, faults, seconds, time.monotonic() + seconds)
+                    log.warning("encoder %s still %s: Describe after its back-off failed (%s); next try in %gs",
+                                h.address, p.state, e, seconds)
+                    self._notify()
+                continue
+            if h.penalty is not p:
+                continue  # replaced meanwhile (bad data during a slow penalty): wait for that one
+            h.description = desc
+            h.penalty = None
+            refusal = refusal_reason(desc, self.identity)
+            if refusal is not None:
+                log.warning("encoder %s refused: %s", h.address, refusal)
+                self._set(h, EncoderState.REFUSED, refusal)
+            else:
+                log.info("encoder %s: %s back-off over and Describe answered: %s", h.address, p.state,
+                         h.health_state.value)
+            self._notify()
 
     # -- membership ------------------------------------------------------------------
 
@@ -190,7 +279,7 @@ class EncoderPool:
                 log.exception("refreshing the encoder pool failed")
 
     def _add(self, address: str, name: str) -> EncoderHandle:
-        h = EncoderHandle(address, name, self.cost_model_factory())
+        h = EncoderHandle(address, name, self.cost_model_factory(), self.channel_options, self.channel_security)
         self._handles[address] = h
         h.watch_task = asyncio.create_task(self._watcher.run(h), name=f"encdis-watch-{address}")
         log.info("encoder %s joins the pool (from %s)", address, name)
@@ -202,8 +291,9 @@ class EncoderPool:
             return
         del self._handles[h.address]
         self._backlog.forget(h.address)
-        if h.watch_task is not None:
-            await _cancel_and_wait(h.watch_task)
+        for task in (h.watch_task, h.probe_task):
+            if task is not None:
+                await _cancel_and_wait(task)
         await h.channel.close()
         if not self._stopped:
             log.info("encoder %s left the pool", h.address)
@@ -214,15 +304,16 @@ class EncoderPool:
     # -- health ----------------------------------------------------------------------
 
     def _set(self, h: EncoderHandle, state: EncoderState, reason: str = "") -> None:
+        """The health view of `h` (a penalty, while it lasts, still shows instead)."""
         was_settling, h.settling = h.settling, False
-        if h.state is state and h.reason == reason:
+        if h.health_state is state and h.health_reason == reason:
             if was_settling:
                 self._notify()
             return
         if state is not EncoderState.REFUSED:
-            log.info("encoder %s: %s -> %s%s", h.address, h.state.value, state.value,
-                     f" ({reason})" if reason else "")
-        h.state, h.reason = state, reason
+            log.info("encoder %s: %s -> %s%s%s", h.address, h.health_state.value, state.value,
+                     f" ({reason})" if reason else "", f"; still {h.penalty.state}" if h.penalty else "")
+        h.health_state, h.health_reason = state, reason
         self._notify()
 
     def _notify(self) -> None:

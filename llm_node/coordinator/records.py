@@ -59,3 +59,5 @@ class EncoderStatus:
     patches_per_second: float
     assigned_patches: int
     assigned_images: int
+    backoff_seconds: float = 0.0  # length of its current penalty (quarantined, slow); 0 when none
+    faults: int = 0  # consecutive faults behind that penalty

@@ -17,11 +17,13 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
 
+from encdis.client import GenerateClient
 from encdis.launcher import NodeProcess, start_node
 from encdis.llm_node.demo import synthetic_photo
 from encdis.llm_node.reference import Case
@@ -76,21 +78,21 @@ def concurrent_cases(cases: dict[str, Case]) -> list[Case]:
     return [c for name, c in cases.items() if name.split("_")[0] in CONCURRENT]
 
 
-@pytest.fixture(scope="session")
-def monolithic(request: pytest.FixtureRequest, tiny_ckpt: Path, equality_cases: dict[str, Case],
-               tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
-    """Greedy token ids per case from monolithic vLLM on the same checkpoint (tower loaded)."""
+def reference_tokens(config: pytest.Config, model: Path, cases: Iterable[Case], work: Path,
+                     **settings_overrides) -> dict[str, list[int]]:
+    """Greedy token ids per case from monolithic vLLM (tower loaded) with these engine settings,
+    run in a subprocess (one engine) and kept in pytest's cache under a key of everything that
+    decides them."""
     from encdis.llm_node.reference import cache_key
 
-    cache = getattr(request.config, "cache", None)  # absent with -p no:cacheprovider
-    # The subprocess below runs with the reference's default engine settings.
-    key = f"encdis/monolithic/{cache_key(tiny_ckpt, equality_cases.values())}"
+    cases = list(cases)
+    cache = getattr(config, "cache", None)  # absent with -p no:cacheprovider
+    key = f"encdis/monolithic/{cache_key(model, cases, settings_overrides=settings_overrides)}"
     cached = cache.get(key, None) if cache is not None else None
     if cached is not None:
         return cached
-    work = tmp_path_factory.mktemp("monolithic")
     spec = []
-    for c in equality_cases.values():
+    for c in cases:
         files = []
         for i, data in enumerate(c.images):
             (work / f"{c.name}-{i}.png").write_bytes(data)
@@ -98,9 +100,10 @@ def monolithic(request: pytest.FixtureRequest, tiny_ckpt: Path, equality_cases: 
         spec.append({"name": c.name, "prompt": c.prompt, "images": files, "max_tokens": c.max_tokens})
     (work / "cases.json").write_text(json.dumps(spec))
     out = work / "tokens.json"
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in settings_overrides.items()]
     proc = subprocess.run(
-        [sys.executable, "-m", "encdis.llm_node.reference", "--model", str(tiny_ckpt),
-         "--cases", str(work / "cases.json"), "--out", str(out)],
+        [sys.executable, "-m", "encdis.llm_node.reference", "--model", str(model),
+         "--cases", str(work / "cases.json"), "--out", str(out), *flags],
         capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     if proc.returncode != 0:
@@ -109,6 +112,13 @@ def monolithic(request: pytest.FixtureRequest, tiny_ckpt: Path, equality_cases: 
     if cache is not None:
         cache.set(key, tokens)
     return tokens
+
+
+@pytest.fixture(scope="session")
+def monolithic(request: pytest.FixtureRequest, tiny_ckpt: Path, equality_cases: dict[str, Case],
+               tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
+    """Greedy token ids per case from monolithic vLLM on the same checkpoint (tower loaded)."""
+    return reference_tokens(request.config, tiny_ckpt, equality_cases.values(), tmp_path_factory.mktemp("monolithic"))
 
 
 @pytest.fixture(scope="session")
@@ -141,3 +151,18 @@ def llm_node(tiny_ckpt: Path, encoder_nodes: list[NodeProcess]) -> Iterator[Node
         yield node
     finally:
         node.stop()
+
+
+def encoders_by_address(llm: NodeProcess) -> dict:
+    """The LLM node's view of its encoders (ListEncoders), by address."""
+    with GenerateClient(llm.address, timeout=30) as client:
+        return {e.address: e for e in client.list_encoders()}
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    """Poll `predicate` every 0.1 s; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.1)

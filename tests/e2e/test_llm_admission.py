@@ -26,8 +26,11 @@ def test_three_times_the_limit_excess_refused_promptly_the_rest_equal_monolithic
             held = [asyncio.ensure_future(client.generate(case.prompt, max_tokens=LONG_TOKENS, ignore_eos=True))
                     for _ in range(limit)]
             deadline = time.monotonic() + 120
-            while llm_node.metric("encdis_requests_in_flight") < limit:
-                assert time.monotonic() < deadline, "the admitted requests never were all in flight"
+            while (in_flight := llm_node.metric("encdis_requests_in_flight")) < limit:
+                ended = [t for t in held if t.done()]
+                assert not ended, (f"a held request ended with {in_flight:g} in flight, before all {limit} were: "
+                                   f"{ended[0].exception() or 'it completed'}")
+                assert time.monotonic() < deadline, f"{in_flight:g} of the {limit} admitted requests in flight"
                 await asyncio.sleep(0.05)
 
             async def refused() -> float:

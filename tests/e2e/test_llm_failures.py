@@ -28,7 +28,7 @@ from encdis.client.errors import Unavailable
 from encdis.launcher import NodeProcess, start_node
 from encdis.llm_node.demo import synthetic_photo
 from tests.dns_server import LoopbackDNS
-from tests.e2e.conftest import concurrent_cases
+from tests.e2e.conftest import concurrent_cases, encoders_by_address, wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
@@ -42,19 +42,6 @@ class Rig:
     victim: NodeProcess
     other: NodeProcess
     dns: LoopbackDNS
-
-
-def encoders_by_address(llm: NodeProcess) -> dict:
-    with GenerateClient(llm.address, timeout=30) as client:
-        return {e.address: e for e in client.list_encoders()}
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")

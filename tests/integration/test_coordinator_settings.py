@@ -47,7 +47,8 @@ def test_new_style_processor_bounds_are_read() -> None:
 
 
 def test_encoder_errors_are_renumbered_to_the_request() -> None:
-    jobs = [PendingImage(index=3, digest="a", patches=64), PendingImage(index=5, digest="b", patches=64)]
+    jobs = [PendingImage(index=3, digest="a", grid=(1, 8, 8), rows=16),
+            PendingImage(index=5, digest="b", grid=(1, 8, 8), rows=16)]
     err = _request_numbering(InvalidArgument("image 1: cannot decode PNG: truncated"), jobs)
     assert err.message == "image 5: cannot decode PNG: truncated"
     err = _request_numbering(InvalidArgument("min_pixels 1 is outside [3136, 200704]"), jobs[:1])

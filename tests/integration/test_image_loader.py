@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from encdis.encoder_node.image_loader import load, vllm_rgb
-from encdis.image_header import open_image
+from encdis.image_header import open_image, read_header
 from tests import encoder_images as images
 from tests.needs import require_module
 
@@ -34,6 +34,8 @@ def test_the_cases_exercise_both_rules() -> None:
     """EXIF turns the landscape JPEG upright; transparency is composited, not dropped."""
     rotated = images.exif_rotated_jpeg()
     assert open_image(rotated).size == (240, 160)
+    header = read_header(rotated)  # what the coordinator counts patches from, before any decoding
+    assert (header.orientation, header.upright_size) == (6, (160, 240))
     assert load(open_image(rotated), "vllm").size == (160, 240)
     assert load(open_image(rotated), "transformers").size == (240, 160)
     for make in (images.rgba_png, images.palette_trns_png, images.la_png):

@@ -141,9 +141,13 @@ def test_deployment_agrees_with_node_cli_and_service(rendered: dict, monkeypatch
     assert s.port == grpc_port
     assert s.metrics_port == metrics_port
 
-    # Probes ask the node's own health service on its gRPC port.
+    # The gRPC port is TLS, which the kubelet's gRPC probes cannot speak: they ask the node's
+    # health service on its plaintext health-only port.
+    assert s.tls_cert is not None
+    health_port = port_named(c, "health")
+    assert s.health_port == health_port != grpc_port
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["grpc"]["port"] == grpc_port, probe
+        assert c[probe]["grpc"]["port"] == health_port, probe
     assert c["readinessProbe"]["grpc"]["service"] == service_name
     assert c["startupProbe"]["grpc"]["service"] == service_name
     assert c["livenessProbe"]["grpc"].get("service", "") == ""
@@ -251,3 +255,51 @@ def test_dockerfile_builds_the_images_the_manifests_run(rendered: dict) -> None:
     manifest_ports = {p["containerPort"] for c in ("encoder", "llm")
                       for p in container(rendered[("Deployment", f"encdis-{c}")])["ports"]}
     assert manifest_ports == exposed
+
+
+# The settings that name files, and the Secret keys the manifests must mount them from.
+SECRET_FILES = {
+    "encoder": ("tls_cert", "tls_key", "tls_client_ca", "api_key_file"),
+    "llm": ("tls_cert", "tls_key", "api_key_file", "encoder_tls_ca", "encoder_tls_cert", "encoder_tls_key",
+            "encoder_api_key_file"),
+}
+
+
+def secret_source(deployment: dict, path: Path) -> tuple[str, str]:
+    """(Secret name, key) mounted at `path` in the deployment's container; fails if nothing is."""
+    c = container(deployment)
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    mount = next((m for m in c["volumeMounts"] if Path(m["mountPath"]) == path.parent), None)
+    assert mount is not None, f"nothing is mounted at {path.parent}"
+    assert mount.get("readOnly") is True and "subPath" not in mount  # subPath mounts never see Secret updates
+    secret = volumes[mount["name"]].get("secret")
+    assert secret is not None, f"{path.parent} is not a Secret volume"
+    assert secret.get("optional", False) is False  # a missing Secret must stop the pod, not run it open
+    assert secret["defaultMode"] & 0o007 == 0  # not world-readable
+    item = next((i for i in secret["items"] if i["path"] == path.name), None)
+    assert item is not None, f"{secret['secretName']} does not project {path.name}"
+    return secret["secretName"], item["key"]
+
+
+@pytest.mark.parametrize("component", ["encoder", "llm"])
+def test_certificates_and_keys_come_from_mounted_secrets(rendered: dict, monkeypatch: pytest.MonkeyPatch,
+                                                         component: str) -> None:
+    dep = rendered[("Deployment", f"encdis-{component}")]
+    _, s = node_settings(dep, monkeypatch)
+    for field in SECRET_FILES[component]:
+        path = getattr(s, field)
+        assert path is not None, f"{component}: --{field.replace('_', '-')} is not set"
+        secret_source(dep, Path(path))
+    assert s.reflection is False  # production pods do not describe their API to anyone who asks
+    # No key sits in the manifest itself.
+    assert not any(e["name"] in ("ENCDIS_API_KEY", "ENCDIS_ENCODER_API_KEY") for e in container(dep).get("env", []))
+
+
+def test_llm_node_sends_the_key_the_encoders_accept(rendered: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    enc_dep, llm_dep = rendered[("Deployment", "encdis-encoder")], rendered[("Deployment", "encdis-llm")]
+    _, enc = node_settings(enc_dep, monkeypatch)
+    _, llm = node_settings(llm_dep, monkeypatch)
+    assert secret_source(llm_dep, Path(llm.encoder_api_key_file)) == secret_source(enc_dep, Path(enc.api_key_file))
+    # TLS to encoders is on and complete (CA, and a client certificate since they require one).
+    assert enc.tls_client_ca is not None
+    assert llm.encoder_tls_ca is not None and llm.encoder_tls_cert is not None and llm.encoder_tls_key is not None

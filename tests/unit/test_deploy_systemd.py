@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "systemd"
 UNITS = {"encoder": "encdis-encoder@.service", "llm": "encdis-llm.service"}
 ENV_EXAMPLES = {"encoder": "encoder.env.example", "llm": "llm.env.example"}
 INSTALLED_BIN = "/usr/local/bin/encdis"
+CREDENTIALS_DIR = "/run/credentials/unit.service"  # what %d expands to
 # `systemd-analyze security` exposure, 0 (locked down) .. 10 (unprotected). The units score
 # 1.6 (systemd 252); what they keep is what a GPU server needs: devices (/dev/nvidia*), the
 # network, W+X memory for CUDA/torch JIT, and the full @system-service syscall set.
@@ -36,9 +38,10 @@ def systemd_analyze() -> str:
 
 
 def unit_entries(path: Path) -> list[tuple[str, str, str]]:
-    """(section, key, value) in file order; systemd allows a key more than once."""
+    """(section, key, value) in file order; systemd allows a key more than once. A line ending
+    in a backslash continues on the next (with a space in between), as systemd reads it."""
     entries, section = [], ""
-    for raw in path.read_text().splitlines():
+    for raw in path.read_text().replace("\\\n", " ").splitlines():
         line = raw.strip()
         if not line or line.startswith(("#", ";")):
             continue
@@ -149,7 +152,7 @@ def test_units_are_notify_services_that_restart_and_drain(kind: str) -> None:
     assert one(unit, "Restart") == "on-failure"
     # SIGTERM only to the node (it drains); vLLM workers must not die before it does.
     assert one(unit, "KillMode") == "mixed"
-    assert values(unit, "ExecStart") == [f"{INSTALLED_BIN} {kind}"]
+    assert exec_argv(unit)[:2] == [INSTALLED_BIN, kind]
     # The stop timeout outlasts the drain, whatever sets the grace: unit, example file, CLI default.
     unit_grace = float(unit_environment(unit, "0")["ENCDIS_DRAIN_GRACE_SECONDS"])
     example = env_file_entries(DEPLOY / ENV_EXAMPLES[kind], include_commented=True)
@@ -192,15 +195,21 @@ def test_every_encdis_variable_is_a_flag_of_the_node(kind: str) -> None:
     assert not unknown, f"{kind}: variables with no matching flag: {unknown}"
 
 
+def exec_argv(unit: Path) -> list[str]:
+    """ExecStart= as the argument vector systemd runs, %d being the credentials directory."""
+    return shlex.split(one(unit, "ExecStart").replace("%d", CREDENTIALS_DIR))
+
+
 def _settings_under_systemd(kind: str, instance: str, monkeypatch: pytest.MonkeyPatch):
-    """What the node would run with: the unit's Environment=, then the example file (which wins)."""
+    """What the node would run with: the unit's Environment=, then the example file (which wins),
+    and ExecStart='s flags (which win over both)."""
     env = unit_environment(DEPLOY / UNITS[kind], instance)
     env.update(env_file_entries(DEPLOY / ENV_EXAMPLES[kind], include_commented=False))
     for key in [k for k in os.environ if k.startswith("ENCDIS_")]:
         monkeypatch.delenv(key)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    args = build_parser().parse_args([kind])
+    args = build_parser().parse_args(exec_argv(DEPLOY / UNITS[kind])[1:])
     if kind == "encoder":
         from encdis.encoder_node.settings import from_args
     else:
@@ -233,3 +242,43 @@ def test_llm_example_points_at_the_encoder_instances_it_names(monkeypatch: pytes
         encoder = _settings_under_systemd("encoder", gpu, monkeypatch)
         assert ep == f"127.0.0.1:{encoder.port}"
     assert (s.port, s.metrics_port) == (50050, 9150)
+
+
+# The settings that name files, each passed as a credential of the unit.
+CREDENTIAL_FLAGS = {
+    "encoder": ("tls_cert", "tls_key", "tls_client_ca", "api_key_file"),
+    "llm": ("tls_cert", "tls_key", "api_key_file", "encoder_tls_ca", "encoder_tls_cert", "encoder_tls_key",
+            "encoder_api_key_file"),
+}
+
+
+def credentials(unit: Path) -> dict[str, str]:
+    """LoadCredential= as {credential id: source path on the host}."""
+    return dict(v.split(":", 1) for v in values(unit, "LoadCredential"))
+
+
+@pytest.mark.parametrize("kind", ["encoder", "llm"])
+def test_certificates_and_keys_are_credentials_passed_as_flags(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    unit = DEPLOY / UNITS[kind]
+    creds = credentials(unit)
+    for source in creds.values():
+        assert source.startswith("/etc/encdis/"), source  # root-owned config, not the service's
+    s = _settings_under_systemd(kind, "0", monkeypatch)
+    used = set()
+    for field in CREDENTIAL_FLAGS[kind]:
+        path = getattr(s, field)
+        assert path is not None, f"{kind}: --{field.replace('_', '-')} is not set"
+        assert str(path.parent) == CREDENTIALS_DIR and path.name in creds, f"{field}: {path}"
+        used.add(path.name)
+    assert used == set(creds)  # no credential loaded for nothing
+    assert s.reflection is False
+    # No key in the environment (files, the unit): the journal and `systemctl show` would show it.
+    env = set(unit_environment(unit, "0")) | set(env_file_entries(DEPLOY / ENV_EXAMPLES[kind], include_commented=True))
+    assert not env & {"ENCDIS_API_KEY", "ENCDIS_ENCODER_API_KEY"}
+
+
+def test_llm_node_sends_the_key_the_encoders_accept() -> None:
+    enc, llm = credentials(DEPLOY / UNITS["encoder"]), credentials(DEPLOY / UNITS["llm"])
+    assert llm["encoder-api-key"] == enc["api-key"]
+    # One host CA: the encoders trust the LLM node's client certificate, the node trusts theirs.
+    assert llm["encoder-tls-ca"] == enc["tls-client-ca"]

@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from encdis import sd_notify
-from encdis.client.errors import InvalidArgument, Unavailable
+from encdis.client.errors import InvalidArgument, Unauthenticated, Unavailable
 from encdis.client.pb import encoder_pb2, encoder_pb2_grpc
 from encdis.serving import INTERNAL_MESSAGE, ErrorMappingInterceptor, add_health_and_reflection
 
@@ -56,6 +56,7 @@ async def server():
     [
         (InvalidArgument("image 2: not an image"), grpc.StatusCode.INVALID_ARGUMENT, "image 2: not an image"),
         (Unavailable("draining"), grpc.StatusCode.UNAVAILABLE, "draining"),
+        (Unauthenticated("invalid API key"), grpc.StatusCode.UNAUTHENTICATED, "invalid API key"),
         (RuntimeError("secret internals"), grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE),
     ],
 )

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import pytest
 
+from encdis.client.chunk_frames import parse_chunk_frame
 from encdis.client.errors import WireError
 from encdis.client.pb import encoder_pb2
 from encdis.client.wire import (
     BatchInfo,
+    ExpectedEmbedding,
     StreamDecoder,
     content_digest,
     decode_array,
     decode_stream,
+    embedding_frames,
     embedding_messages,
 )
 
@@ -144,3 +149,107 @@ def test_content_digest_depends_on_bytes_bounds_and_weights():
     assert base == content_digest(b"img", 3136, 200704, "fp")
     assert len({base, content_digest(b"img2", 3136, 200704, "fp"), content_digest(b"img", 3136, 100352, "fp"),
                 content_digest(b"img", 6272, 200704, "fp"), content_digest(b"img", 3136, 200704, "fp2")}) == 5
+
+
+# -- serialised frames: the encoder's send path and the receiver's fast path ----------------------
+
+
+def _frames_and_messages(index=0, rows=300, cols=8, max_chunk_bytes=64):
+    data = np.arange(rows * cols, dtype="<f4").tobytes()
+    kw = dict(image_index=index, grid_thw=(1, 2, 2 * rows), datatype="FP32", shape=(rows, cols), data=data,
+              digest="d", max_chunk_bytes=max_chunk_bytes, batch=BatchInfo(0.5, (4 * rows,)), queue_seconds=0.25)
+    return list(embedding_frames(**kw)), list(embedding_messages(**kw)), data
+
+
+@pytest.mark.parametrize("index", [0, 1, 300])  # 300: a two-byte varint
+def test_frames_are_exactly_what_protobuf_writes_with_chunk_0_in_the_header_message(index):
+    frames, msgs, _ = _frames_and_messages(index=index)  # 9600 bytes in 150 chunks: chunk indices past 127
+    first = encoder_pb2.EncodeResponse(header=msgs[0].header, first_chunk=msgs[1].chunk)
+    assert frames[0] == first.SerializeToString()
+    assert frames[1:] == [m.SerializeToString() for m in msgs[2:]]
+    assert len(frames) == msgs[0].header.num_chunks == 150
+
+
+def test_frames_decode_in_place_to_the_same_embedding_as_messages():
+    frames, msgs, data = _frames_and_messages()
+    (from_frames,) = decode_stream(frames, 1)
+    (from_messages,) = decode_stream(msgs, 1)
+    assert bytes(from_frames.data) == bytes(from_messages.data) == data
+    assert from_frames.batch == from_messages.batch and from_frames.queue_seconds == 0.25
+    assert isinstance(from_frames.data, memoryview) and not from_frames.data.readonly
+
+
+def test_messages_the_fast_parser_does_not_know_read_the_same_through_protobuf():
+    frames, _, data = _frames_and_messages(rows=4, cols=4, max_chunk_bytes=32)
+    unknown = frames[1] + b"\x28\x07"  # an unknown top-level field 5 after the chunk
+    reordered = encoder_pb2.EncodeResponse.FromString(frames[1])
+    # data first, then chunk_index: valid protobuf in another field order
+    inner = b"\x1a\x20" + bytes(reordered.chunk.data) + b"\x10\x01"
+    reordered_raw = b"\x12" + bytes([len(inner)]) + inner
+    assert parse_chunk_frame(unknown) is None
+    assert parse_chunk_frame(reordered_raw) is not None
+    for second in (unknown, reordered_raw):
+        (emb,) = decode_stream([frames[0], second], 1)
+        assert bytes(emb.data) == data
+
+
+def test_the_receivers_copy_can_run_elsewhere_and_the_image_is_taken_after():
+    frames, _, data = _frames_and_messages(rows=4, cols=4, max_chunk_bytes=32)
+    dec = StreamDecoder(1)
+    copies = [dec.accept(f) for f in frames]
+    assert dec.image_complete
+    for c in copies:
+        c.run()
+    emb = dec.take()
+    assert bytes(emb.data) == data
+    dec.close()
+
+
+def _expected(rows=1, hidden=4, datatype="FP32", patches=4):
+    return ExpectedEmbedding(num_tokens=rows, hidden_size=hidden, datatype=datatype, patches=patches)
+
+
+@pytest.mark.parametrize("expected, match", [
+    (_expected(rows=2), r"image 0: the encoder announced 1x4 rows x hidden, expected 2x4"),
+    (_expected(hidden=8), "expected 1x8"),
+    (_expected(datatype="BF16"), "announced datatype 'FP32', expected 'BF16'"),
+    (_expected(patches=8), r"grid_thw \[1, 2, 2\] \(4 patches\), expected 8 patches"),
+])
+def test_a_header_that_disagrees_with_what_the_caller_expects_is_refused(expected, match):
+    with pytest.raises(WireError, match=match):
+        decode_stream([_header_msg(), _chunk_msg()], 1, expected=[expected])
+
+
+def test_a_header_that_agrees_with_the_expectation_passes():
+    (emb,) = decode_stream([_header_msg(), _chunk_msg()], 1, expected=[_expected(datatype="")])
+    assert emb.shape == (1, 4)
+
+
+def test_two_gib_announced_for_a_64_token_image_is_refused_without_allocating():
+    rows = (1 << 31) // (8192 * 2)
+    header = _header_msg(grid_thw=[1, 2, 2 * rows], num_tokens=rows, hidden_size=8192, datatype="BF16",
+                         total_bytes=1 << 31, num_chunks=512)
+    for kw in ({"expected": [ExpectedEmbedding(64, 8192, "BF16", 256)]}, {"max_total_bytes": 64 * 8192 * 2}):
+        tracemalloc.start()
+        try:
+            with pytest.raises(WireError, match="image 0"):
+                StreamDecoder(1, **kw).feed(header.SerializeToString())
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < 1 << 20, f"{peak} bytes allocated for a refused header"
+
+
+@pytest.mark.parametrize("stream, match", [
+    ([_header_msg(num_chunks=2), _chunk_msg(b"\0" * 8), _chunk_msg(b"\0" * 4, chunk_index=1)],
+     "got 12 bytes in the announced 2 chunks"),  # the last chunk leaves the image short
+    ([_header_msg(num_chunks=2), _chunk_msg(b""), _chunk_msg(chunk_index=1)], "chunk 0 is empty"),
+    ([_header_msg(num_chunks=17)], "num_chunks 17 for 16 bytes"),
+    ([encoder_pb2.EncodeResponse(chunk=encoder_pb2.EmbeddingChunk(data=b"\0"),
+                                 first_chunk=encoder_pb2.EmbeddingChunk(data=b"\0"))], "first_chunk in a message"),
+    ([b"\x0a\xff\xff"], "undecodable"),  # a header field longer than the message
+    ([_header_msg().SerializeToString() + b"\x1a\x16\x1a\x14" + b"\0" * 20], "exceed"),  # first chunk overruns
+])
+def test_broken_serialised_and_chunk_rules_are_refused(stream, match):
+    with pytest.raises(WireError, match=match):
+        decode_stream([m.SerializeToString() if not isinstance(m, bytes) else m for m in stream], 1)

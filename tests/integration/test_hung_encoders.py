@@ -1,0 +1,175 @@
+"""Hung and slow encoders: a frozen encoder costs a request one attempt's bound, not its freeze.
+
+Two real encoder nodes (subprocesses on 127.0.0.1) serve the session's tiny checkpoint;
+the coordinator runs in-process. SIGSTOP freezes one of them the way a hung process or a
+stalled host does: its sockets stay open, nothing answers. Bounds come from the coordinator's
+settings: each attempt max(floor, margin x predicted cost); keepalive pings on every channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+
+import pytest
+
+from encdis.client.errors import DeadlineExceeded, Unavailable
+from encdis.launcher import NodeProcess
+from encdis.llm_node.coordinator.handle import EncoderState
+from tests.integration.test_coordinator import NODE_TIMEOUT, coordinator, encoder_args, png, wait_for
+
+FLOOR = 2.0  # attempt_timeout_floor_seconds: the bound once cost models are fitted (tiny images)
+STOP_SECONDS = 8.0
+MARGIN = 1.5  # retrying on the other encoder and scheduling on a shared 2-core machine
+
+
+@pytest.fixture(scope="module")
+def two(tiny_ckpt):
+    nodes = []
+    try:
+        for _ in range(2):
+            nodes.append(NodeProcess(encoder_args(tiny_ckpt, "127.0.0.1"), host="127.0.0.1"))
+        for n in nodes:
+            n.wait_ready(NODE_TIMEOUT)
+        yield nodes
+    finally:
+        for n in nodes:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(n.pid, signal.SIGCONT)
+            n.stop()
+
+
+@contextlib.contextmanager
+def frozen(node: NodeProcess):
+    os.kill(node.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(node.pid, signal.SIGCONT)
+
+
+def status(coord, address: str):
+    return next(e for e in coord.encoders() if e.address == address)
+
+
+async def warm_up(coord, seed: int) -> None:
+    """Both encoders serving and their cost models fitted (so each attempt's bound is FLOOR)."""
+    await wait_for(lambda: len(coord.pool.serving()) == 2, what="both encoders serving")
+    await coord.encode([png(100 + 14 * i, 120, seed=seed + i) for i in range(8)])
+    assert all(h.cost_model.observations > 0 for h in coord.pool.encoders())
+
+
+async def back_in_rotation(coord, node: NodeProcess, seed: int) -> None:
+    await wait_for(lambda: status(coord, node.address).state == "serving", timeout=60,
+                   what="the thawed encoder serving again")
+    before = status(coord, node.address).assigned_images
+    await coord.encode([png(90 + 14 * i, 100, seed=seed + i) for i in range(8)])
+    assert status(coord, node.address).assigned_images > before
+
+
+async def test_a_frozen_encoder_costs_requests_one_attempt_bound_and_leaves_the_rotation(two, tiny_ckpt) -> None:
+    victim, other = two
+    async with coordinator(tiny_ckpt, [victim.address, other.address], attempt_timeout_floor_seconds=FLOOR,
+                           slow_seconds=1.0, slow_max_seconds=4.0, describe_timeout_seconds=1.0) as coord:
+        await warm_up(coord, seed=7000)
+        latencies: list[float] = []
+        retried = 0
+
+        async def one_request(i: int) -> None:
+            nonlocal retried
+            t0 = time.monotonic()
+            result = await coord.encode([png(112, 84 + 14 * (i % 8), seed=7100 + 2 * i),
+                                         png(84, 112, seed=7101 + 2 * i)])
+            latencies.append(time.monotonic() - t0)
+            retried += result.retries
+
+        tasks = []
+        assigned_when_slow = None
+        with frozen(victim):
+            t_stop = time.monotonic()
+            while time.monotonic() - t_stop < STOP_SECONDS:  # a steady load: one request every 0.2 s
+                tasks.append(asyncio.ensure_future(one_request(len(tasks))))
+                await asyncio.sleep(0.2)
+                s = status(coord, victim.address)
+                if assigned_when_slow is None and s.state == "slow":
+                    assigned_when_slow = s.assigned_images
+                    assert "bound" in s.reason, s.reason
+            await asyncio.gather(*tasks)
+            stalled = status(coord, victim.address)
+            assert stalled.state == "slow", stalled
+        assert retried > 0, "no request was sent to the frozen encoder: nothing was tested"
+        assert assigned_when_slow is not None
+        # Once marked slow it got no new work while frozen.
+        assert stalled.assigned_images == assigned_when_slow
+        # Every request finished within one attempt's bound (plus a retry), not the freeze.
+        assert len(latencies) == len(tasks)
+        assert max(latencies) < FLOOR + MARGIN < STOP_SECONDS, sorted(latencies)[-5:]
+        await back_in_rotation(coord, victim, seed=7500)
+
+
+async def test_keepalive_drops_a_frozen_encoders_connection_and_real_encoders_permit_the_pings(
+        two, tiny_ckpt, caplog) -> None:
+    victim, other = two
+    caplog.set_level(logging.INFO, logger="encdis.llm_node.coordinator.pool")
+    # Attempt bounds far beyond the test: only keepalive can free the requests.
+    async with coordinator(tiny_ckpt, [victim.address, other.address], attempt_timeout_floor_seconds=100.0,
+                           keepalive_time_seconds=1.0, keepalive_timeout_seconds=1.0) as coord:
+        await warm_up(coord, seed=8000)
+        # Pings every second on idle channels: an encoder that did not permit them would answer
+        # GOAWAY (too many pings) after a few, and the pool would log the connection breaking.
+        caplog.clear()
+        await asyncio.sleep(4.0)
+        assert not [r.getMessage() for r in caplog.records if "-> unhealthy" in r.getMessage()]
+        assert {e.state for e in coord.encoders()} == {"serving"}
+
+        with frozen(victim):
+            t0 = time.monotonic()
+            # Eight images a request, so that both encoders get some (as in the warm-up).
+            results = await asyncio.gather(*(coord.encode([png(98, 70 + 14 * i, seed=8100 + 8 * r + i)
+                                                           for i in range(8)]) for r in range(3)))
+            took = time.monotonic() - t0
+            # Ping interval + ping timeout, plus the retry: far below the attempt bound.
+            assert took < 1.0 + 1.0 + 1.0 + MARGIN, took
+            assert sum(r.retries for r in results) > 0, "no request was sent to the frozen encoder"
+            await wait_for(lambda: status(coord, victim.address).state != "serving", timeout=5,
+                           what="the frozen encoder leaving the rotation")
+        await back_in_rotation(coord, victim, seed=8500)
+
+
+async def test_the_callers_deadline_bounds_the_attempt_and_does_not_blame_the_encoder(two, tiny_ckpt) -> None:
+    victim, _ = two
+    async with coordinator(tiny_ckpt, [victim.address]) as coord:
+        await wait_for(lambda: len(coord.pool.serving()) == 1, what="the encoder serving")
+        with frozen(victim):
+            t0 = time.monotonic()
+            with pytest.raises(DeadlineExceeded, match="deadline"):
+                await coord.encode([png(120, 120, seed=9000)], deadline=t0 + 1.0)
+            took = time.monotonic() - t0
+            assert 1.0 <= took < 1.0 + MARGIN, took
+            assert status(coord, victim.address).state != "slow"  # the caller's bound, not the encoder's fault
+        await wait_for(lambda: status(coord, victim.address).state == "serving", timeout=30,
+                       what="the encoder serving after thawing")
+        assert len((await coord.encode([png(120, 120, seed=9001)])).images) == 1
+
+
+async def test_when_every_encoder_is_slow_images_still_go_to_them_but_never_to_quarantined_ones(
+        two, tiny_ckpt) -> None:
+    async with coordinator(tiny_ckpt, [n.address for n in two], slow_seconds=60.0, slow_max_seconds=60.0) as coord:
+        await wait_for(lambda: len(coord.pool.serving()) == 2, what="both encoders serving")
+        for h in coord.pool.encoders():
+            coord.pool.penalise(h, EncoderState.SLOW, "ran past its bound")
+        assert {e.state for e in coord.encoders()} == {"slow"}
+        # Late beats refused: the request is answered at once, not after the 60 s back-off.
+        t0 = time.monotonic()
+        result = await coord.encode([png(112, 98, seed=9500)])
+        assert len(result.images) == 1 and time.monotonic() - t0 < 30
+        assert {e.state for e in coord.encoders()} == {"slow"}
+
+        for h in coord.pool.encoders():
+            coord.pool.penalise(h, EncoderState.QUARANTINED, "sent rows its grid does not imply")
+        with pytest.raises(Unavailable, match="quarantined"):
+            await coord.encode([png(112, 98, seed=9501)])
