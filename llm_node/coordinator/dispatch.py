@@ -189,7 +189,7 @@ class Dispatcher:
         h, err = failure.handle, failure.error
         excluded.add(h.address)
         left = [j for j in failure.jobs if j.index in remaining]
-        failures.append(f"{h.address}: {err}")
+        failures.append(err.code.name)  # what callers see: no address, no encoder's message
         log.warning("encoder %s failed %d image(s) of a request: %s", h.address, len(left), err)
         for job in left:
             attempts[job.index] += 1
@@ -197,10 +197,12 @@ class Dispatcher:
                 # Busy encoders are a different answer from broken ones: clients back off.
                 cls = ResourceExhausted if isinstance(err, ResourceExhausted) else Unavailable
                 what = "encoders are busy" if cls is ResourceExhausted else "no encoder can serve this request"
+                log.warning("image %d failed %d times; encoders: %s", job.index, attempts[job.index],
+                            self.pool.summary())
                 raise cls(
                     f"{what}: image {job.index} failed {attempts[job.index]} times "
-                    f"(max_retries {self.settings.max_retries}); last errors: {'; '.join(failures[-3:])}; "
-                    f"encoders: {self.pool.summary()}"
+                    f"(max_retries {self.settings.max_retries}); last errors: {', '.join(failures[-3:])}; "
+                    f"{self.pool.state_counts()}"
                 )
         timing.retries += len(left)
         self.metrics.retries.inc(len(left))
@@ -222,11 +224,13 @@ class Dispatcher:
                             if (h.settling or h.state is EncoderState.CONNECTING) and not h.gone]
                 left = until - time.monotonic()
                 if not settling or left <= 0:
-                    tail = f"; after failures: {'; '.join(failures[-3:])}" if failures else ""
+                    tail = f"; after failures: {', '.join(failures[-3:])}" if failures else ""
+                    log.warning("no encoder for a request: %s", self.pool.summary())
                     if settling and deadline is not None and until == deadline:
-                        raise DeadlineExceeded(f"the request's deadline passed waiting for an encoder: "
-                                               f"{self.pool.summary()}{tail}")
-                    raise Unavailable(f"no encoder can serve this request: {self.pool.summary()}{tail}")
+                        raise DeadlineExceeded(f"the request's deadline passed waiting for an encoder "
+                                               f"({self.pool.state_counts()}){tail}")
+                    raise Unavailable(f"no encoder can serve this request ({self.pool.state_counts()}; "
+                                      f"their states and reasons: ListEncoders){tail}")
                 await self.pool.wait_changed(left)
         finally:
             timing.wait += time.monotonic() - t0
@@ -282,7 +286,7 @@ class Dispatcher:
         except DeadlineExceeded:
             left = [j.index for pos, j in enumerate(jobs) if pos not in done]
             if by_caller:
-                raise DeadlineExceeded(f"the request's deadline passed while {h.address} encoded image(s) {left}; "
+                raise DeadlineExceeded(f"the request's deadline passed while image(s) {left} were encoding; "
                                        f"retries so far: {timing.retries}") from None
             self.metrics.encoder_faults.labels(h.address, "timeout").inc()
             why = (f"an Encode of {len(jobs)} image(s) ran past its {timeout:.3g}s bound "
@@ -340,7 +344,7 @@ async def _run_all(calls: list) -> list[_CallFailure | None]:
 
 def _check_deadline(deadline: float | None, remaining: dict[int, PendingImage], failures: list[str]) -> None:
     if deadline is not None and time.monotonic() >= deadline:
-        tail = f"; after failures: {'; '.join(failures[-3:])}" if failures else ""
+        tail = f"; after failures: {', '.join(failures[-3:])}" if failures else ""
         raise DeadlineExceeded(f"the request's deadline passed with image(s) {sorted(remaining)} not encoded{tail}")
 
 

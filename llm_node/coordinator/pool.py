@@ -107,8 +107,19 @@ class EncoderPool:
                 and h.health_state is EncoderState.SERVING and not h.gone]
         return sorted(slow, key=lambda h: h.penalty.until)
 
+    def state_counts(self) -> str:
+        """The encoders' states counted, with no address, name or reason: what callers are told."""
+        if not self.targets:
+            return "no encoders configured"
+        counts: dict[str, int] = {}
+        for h in self._handles.values():
+            counts[h.state.value] = counts.get(h.state.value, 0) + 1
+        if not counts:
+            return "the configured encoder names resolve to no address"
+        return f"{sum(counts.values())} encoder(s): " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+
     def summary(self) -> str:
-        """One line naming every encoder's state, for error messages."""
+        """One line naming every encoder's state and reason, for the node's log and operators."""
         if not self.targets:
             return "no encoders configured"
         parts = [f"{h.address} {h.state.value}" + (f" ({h.reason})" if h.reason else "")

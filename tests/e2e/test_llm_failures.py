@@ -151,8 +151,10 @@ def test_no_usable_encoder_fails_with_unavailable_and_the_node_keeps_serving(rig
         with pytest.raises(Unavailable) as info:
             client.generate("Describe the picture.", [image], max_tokens=4)
         message = info.value.message
-        assert message.startswith("no encoder can serve this request"), message
-        assert f"{rig.other.address} refused" in message
+        assert message.startswith("no encoder can serve this request (2 encoder(s): "), message
+        assert "1 refused" in message, message
+        assert rig.other.address not in message  # the reason is in ListEncoders, not in callers' errors
+        assert "weights" in encoders_by_address(rig.llm)[rig.other.address].reason
         # Still serving: health, text-only requests.
         with grpc.insecure_channel(rig.llm.address) as channel:
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
