@@ -52,14 +52,18 @@ DEFAULT_MAX_CHUNK_BYTES = 4 * 1024 * 1024
 
 
 def content_digest(image: bytes, min_pixels: int, max_pixels: int, weights_fingerprint: str,
-                   image_loader: str = "vllm") -> str:
-    """Key of an embedding: the image bytes, the resize bounds, the image loader and the tower's weights.
+                   image_loader: str = "vllm", datatype: str = "FP32") -> str:
+    """Key of an embedding: the image bytes, the resize bounds, the image loader, the tower's
+    weights and the embedding's datatype (a BF16 tower gives other numbers than an FP32 one).
 
     Both the encoder node and the coordinator compute it, so a cached embedding is only
     reused when all of them match. It is also vLLM's multimodal uuid for the image.
     """
+    if datatype not in DATATYPES:
+        raise ValueError(f"unknown embedding datatype {datatype!r} (one of {', '.join(DATATYPES)})")
     h = hashlib.sha256()
-    h.update(f"encdis-v2|{int(min_pixels)}|{int(max_pixels)}|{image_loader}|{weights_fingerprint}|".encode())
+    h.update(f"encdis-v3|{int(min_pixels)}|{int(max_pixels)}|{image_loader}|{datatype}|{weights_fingerprint}|"
+             .encode())
     h.update(image)
     return h.hexdigest()
 

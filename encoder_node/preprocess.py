@@ -44,7 +44,8 @@ class ImagePreprocessor:
     """Validates, decodes and preprocesses images for one checkpoint."""
 
     def __init__(self, model_dir: str | os.PathLike, *, weights_fingerprint: str, max_image_bytes: int,
-                 max_image_pixels: int, min_pixels: int = 0, max_pixels: int = 0, image_loader: str = "vllm") -> None:
+                 max_image_pixels: int, min_pixels: int = 0, max_pixels: int = 0, image_loader: str = "vllm",
+                 datatype: str = "FP32") -> None:
         self.processor = AutoImageProcessor.from_pretrained(str(model_dir))
         size = self.processor.size
         self.default_min_pixels = int(size["shortest_edge"])
@@ -64,6 +65,7 @@ class ImagePreprocessor:
         self.temporal_patch_size = int(self.processor.temporal_patch_size)
         self.weights_fingerprint = weights_fingerprint
         self.image_loader = image_loader
+        self.datatype = datatype  # the tower's output datatype: part of each image's digest
         self.max_image_bytes = max_image_bytes
         self.max_image_pixels = max_image_pixels
 
@@ -131,5 +133,6 @@ class ImagePreprocessor:
             index=index,
             pixel_values=out["pixel_values"],
             grid_thw=(t, h, w),
-            digest=content_digest(data, min_pixels, max_pixels, self.weights_fingerprint, self.image_loader),
+            digest=content_digest(data, min_pixels, max_pixels, self.weights_fingerprint, self.image_loader,
+                                  self.datatype),
         )

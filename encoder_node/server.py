@@ -55,7 +55,7 @@ def load_model(settings: EncoderSettings, metrics: EncoderMetrics) -> LoadedMode
     pre = ImagePreprocessor(
         settings.model, weights_fingerprint=fingerprint, max_image_bytes=settings.max_image_bytes,
         max_image_pixels=settings.max_image_pixels, min_pixels=settings.min_pixels, max_pixels=settings.max_pixels,
-        image_loader=settings.image_loader,
+        image_loader=settings.image_loader, datatype=tower.datatype,
     )
     return LoadedModel(
         tower=tower, preprocessor=pre, weights_fingerprint=fingerprint,

@@ -168,6 +168,12 @@ class EngineHost:
             raise RuntimeError("engine not started")
         return self._llm
 
+    def embedding_datatype(self) -> str:
+        """The wire datatype of the engine's dtype ("FP32" on CPU, the checkpoint's on GPU)."""
+        from encdis.client.wire import datatype_of_torch
+
+        return datatype_of_torch(str(self.llm.model_config.dtype).removeprefix("torch."))
+
     def start(self) -> None:
         """Build the engine (blocking: loads weights, profiles memory, starts the engine core)."""
         from vllm import AsyncEngineArgs

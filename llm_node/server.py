@@ -14,6 +14,7 @@ Exposure: both front doors take the same TLS certificate (encdis/tls.py) and API
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -89,6 +90,9 @@ async def _serve(settings: LLMSettings, engine: EngineHost, exposure: Exposure) 
     log.info("vLLM workers hold %d vision-tower parameters (%s)", tower_params,
              ", ".join(str(t["visual_type"]) for t in towers))
 
+    if settings.encoder_datatype == "auto":
+        settings = dataclasses.replace(settings, encoder_datatype=engine.embedding_datatype())
+    log.info("encoders must send %s embeddings", settings.encoder_datatype)
     registry = CollectorRegistry()
     metrics = LLMNodeMetrics(registry)
     coordinator = Coordinator.from_checkpoint(settings, registry, settings.model,

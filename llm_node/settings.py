@@ -19,6 +19,7 @@ from encdis.tls import check_flags as check_tls_flags
 
 MM_TENSOR_IPC = ("auto", "torch_shm", "direct_rpc")
 COLOCATED_MODES = ("auto", "off", "require")
+ENCODER_DATATYPES = ("FP32", "BF16", "FP16")  # client.wire.DATATYPES, without importing the SDK here
 # Encoder nodes accept HTTP/2 pings this often (encoder_node/server.py's keepalive permit).
 MIN_KEEPALIVE_SECONDS = 1.0
 
@@ -87,6 +88,7 @@ class LLMSettings:
     # Co-located transport (llm_node/coordinator/colocated.py): auto, off or require.
     colocated: str = "auto"
     colocated_timeout_seconds: float = 10.0
+    encoder_datatype: str = "auto"  # of the embeddings encoders send; auto: the engine's dtype
 
     def __post_init__(self) -> None:
         check_tls_flags(self.tls_cert, self.tls_key, self.tls_client_ca)
@@ -112,6 +114,9 @@ class LLMSettings:
             raise ValueError(f"--colocated must be one of {COLOCATED_MODES}, got {self.colocated!r}")
         if self.colocated_timeout_seconds <= 0:
             raise ValueError(f"--colocated-timeout-seconds must be positive, got {self.colocated_timeout_seconds}")
+        if self.encoder_datatype not in ("auto", *ENCODER_DATATYPES):
+            raise ValueError(f"--encoder-datatype must be auto or one of {ENCODER_DATATYPES}, "
+                             f"got {self.encoder_datatype!r}")
         if self.media_timeout_seconds <= 0:
             raise ValueError(f"--media-timeout-seconds must be positive, got {self.media_timeout_seconds}")
         self._check_encoder_bounds()
@@ -196,6 +201,8 @@ _HELP = {
                  "(NCCL pairs when both sides are on CUDA), off, or require (every encoder must open one; "
                  "gloo on CPU); failed transfers fall back to gRPC",
     "colocated_timeout_seconds": "bound of a co-located rendezvous and of each co-located transfer",
+    "encoder_datatype": "datatype encoders must send embeddings in (FP32, BF16, FP16); auto: the engine's "
+                        "dtype, as monolithic vLLM runs its tower; encoders sending another are refused",
 }
 
 

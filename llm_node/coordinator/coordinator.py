@@ -92,6 +92,8 @@ class CoordinatorSettings:
     # Co-located transport (colocated.py): auto, off or require; bound of each transfer.
     colocated: str = "auto"
     colocated_timeout_seconds: float = 10.0
+    # Encoders must send this datatype (identity.py); the LLM node sets its engine's.
+    encoder_datatype: str = "FP32"
 
     @classmethod
     def from_settings(cls, settings: Any) -> CoordinatorSettings:
@@ -121,7 +123,7 @@ class Coordinator:
         self.weights_fingerprint = weights_fingerprint
         self.hidden_size = int(hidden_size)
         self.identity = ModelIdentity.from_processor(weights_fingerprint, self.hidden_size, processor,
-                                                     self.settings.image_loader)
+                                                     self.settings.image_loader, self.settings.encoder_datatype)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = CoordinatorMetrics(self.registry)
         self.cache = EmbeddingCache(self.settings.cache_bytes)
@@ -295,7 +297,7 @@ class Coordinator:
             except ValueError as e:
                 raise InvalidArgument(f"image {i}: {e}") from None
             digests.append(content_digest(data, ident.min_pixels, ident.max_pixels, self.weights_fingerprint,
-                                          ident.image_loader))
+                                          ident.image_loader, ident.datatype))
         return digests, grids
 
     async def _encode_owned(self, images: Sequence[bytes], jobs: list[PendingImage], timing: RequestTiming,

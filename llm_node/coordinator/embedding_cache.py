@@ -1,8 +1,8 @@
 """The coordinator's embedding cache: vision-tower outputs by content digest.
 
 Keys are `encdis.client.wire.content_digest(image, min_pixels, max_pixels,
-weights_fingerprint)`, so an entry is reused only for the same image bytes, the same
-resize bounds and the same tower weights. Entries are evicted least recently used
+weights_fingerprint, image_loader, datatype)`, so an entry is reused only for the same
+image bytes, resize bounds, tower weights, image loader and embedding datatype. Entries are evicted least recently used
 first once their total size passes a byte budget (0 disables storing; in-flight
 sharing still works).
 

@@ -1,8 +1,15 @@
 """Model identity: what an encoder must match to serve the LLM checkpoint.
 
-An encoder whose tower weights, embedding hidden size or image-processor geometry differs
-from the LLM checkpoint's gives wrong answers silently, so the pool refuses it
-(`refusal_reason`) rather than routing to it.
+An encoder whose tower weights, embedding hidden size, image-processor geometry, image
+loader or embedding datatype differs from what the LLM node expects gives other answers
+silently, so the pool refuses it (`refusal_reason`) rather than routing to it.
+
+The datatype is refused, not converted: a BF16 tower's embedding cast to FP32 is still not
+the FP32 tower's (nor the other way round), so a mixed pool would answer the same request
+differently depending on where its images went, and the digest (which names the datatype)
+would promise otherwise. The LLM node expects its engine's own dtype (FP32 on CPU, the
+checkpoint's on GPU), as monolithic vLLM at that dtype runs its tower; `--encoder-datatype`
+sets another on purpose.
 """
 
 from __future__ import annotations
@@ -26,10 +33,11 @@ class ModelIdentity:
     merge_size: int = 2
     temporal_patch_size: int = 2
     image_loader: str = "vllm"
+    datatype: str = "FP32"  # of the embeddings (wire name: FP32, BF16, FP16)
 
     @classmethod
     def from_processor(cls, fingerprint: str, hidden_size: int, processor: Mapping[str, Any],
-                       image_loader: str = "vllm") -> ModelIdentity:
+                       image_loader: str = "vllm", datatype: str = "FP32") -> ModelIdentity:
         """From the checkpoint's preprocessor config (old- and new-style resize bounds)."""
         cfg = dict(processor)
         size = cfg.get("size") or {}
@@ -46,6 +54,7 @@ class ModelIdentity:
             merge_size=int(cfg.get("merge_size", 2)),
             temporal_patch_size=int(cfg.get("temporal_patch_size", 2)),
             image_loader=image_loader,
+            datatype=datatype,
         )
 
 
@@ -63,6 +72,9 @@ def refusal_reason(desc: EncoderDescription, want: ModelIdentity) -> str | None:
     if desc.image_loader != want.image_loader:
         return (f"image_loader {desc.image_loader or 'unreported'!r} differs from the LLM node's "
                 f"{want.image_loader!r} (the same image would give other embeddings)")
+    if desc.datatype != want.datatype:
+        return (f"embedding datatype {desc.datatype or 'unreported'} differs from the LLM node's {want.datatype} "
+                f"(set the encoder's --dtype, or the LLM node's --encoder-datatype)")
     # The coordinator sends the checkpoint's resize bounds with every request.
     if desc.min_pixels and desc.min_pixels > want.min_pixels:
         return f"its min_pixels {desc.min_pixels} is above the LLM checkpoint's {want.min_pixels}"

@@ -104,9 +104,13 @@ async def test_an_attempt_is_bounded_by_predicted_cost_a_floor_and_the_callers_d
 def test_llm_node_flags_and_environment_reach_the_coordinator() -> None:
     parser = argparse.ArgumentParser()
     llm_settings.add_arguments(parser, environ={"ENCDIS_QUARANTINE_SECONDS": "2.5"})
-    args = parser.parse_args(["--model", "/m", "--keepalive-time-seconds", "3", "--slow-max-seconds", "30"])
+    args = parser.parse_args(["--model", "/m", "--keepalive-time-seconds", "3", "--slow-max-seconds", "30",
+                              "--encoder-datatype", "BF16"])
     s = CoordinatorSettings.from_settings(llm_settings.from_args(args))
     assert (s.quarantine_seconds, s.keepalive_time_seconds, s.slow_max_seconds) == (2.5, 3.0, 30.0)
+    assert s.encoder_datatype == "BF16"
+    with pytest.raises(ValueError, match="encoder-datatype"):
+        llm_settings.LLMSettings(model="/m", encoder_datatype="bf16")
     with pytest.raises(ValueError, match="keepalive-time-seconds"):
         llm_settings.LLMSettings(model="/m", keepalive_time_seconds=0.2)  # encoders would answer GOAWAY
     with pytest.raises(ValueError, match="quarantine-max-seconds"):

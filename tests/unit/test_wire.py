@@ -144,11 +144,14 @@ def test_max_total_bytes_limits_what_a_receiver_accepts():
         dec.feed(msgs[0])
 
 
-def test_content_digest_depends_on_bytes_bounds_and_weights():
+def test_content_digest_depends_on_bytes_bounds_weights_and_datatype():
     base = content_digest(b"img", 3136, 200704, "fp")
     assert base == content_digest(b"img", 3136, 200704, "fp")
     assert len({base, content_digest(b"img2", 3136, 200704, "fp"), content_digest(b"img", 3136, 100352, "fp"),
-                content_digest(b"img", 6272, 200704, "fp"), content_digest(b"img", 3136, 200704, "fp2")}) == 5
+                content_digest(b"img", 6272, 200704, "fp"), content_digest(b"img", 3136, 200704, "fp2"),
+                content_digest(b"img", 3136, 200704, "fp", datatype="BF16")}) == 6
+    with pytest.raises(ValueError, match="datatype 'F32'"):
+        content_digest(b"img", 3136, 200704, "fp", datatype="F32")
 
 
 # -- serialised frames: the encoder's send path and the receiver's fast path ----------------------
