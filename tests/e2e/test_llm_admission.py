@@ -8,12 +8,14 @@ import time
 
 import pytest
 
-from encdis.client import AsyncGenerateClient, GenerateClient, InvalidArgument, ResourceExhausted
+from encdis.client import AsyncGenerateClient, GenerateClient, GenerateResult, InvalidArgument, ResourceExhausted
 from tests.e2e.conftest import LLM_NODE_MAX_CONCURRENT
 
 pytestmark = pytest.mark.vllm
 
-LONG_TOKENS = 600  # long enough that the admitted requests are still running while the rest arrive
+# Long enough that the admitted requests are still generating, seconds after their first token,
+# while the excess arrives and is refused.
+LONG_TOKENS = 3000
 
 
 def test_three_times_the_limit_excess_refused_promptly_the_rest_equal_monolithic(llm_node, monolithic,
@@ -23,15 +25,24 @@ def test_three_times_the_limit_excess_refused_promptly_the_rest_equal_monolithic
 
     async def run() -> tuple[list, list[float]]:
         async with AsyncGenerateClient(llm_node.address, timeout=600) as client:
-            held = [asyncio.ensure_future(client.generate(case.prompt, max_tokens=LONG_TOKENS, ignore_eos=True))
-                    for _ in range(limit)]
+            started = [asyncio.Event() for _ in range(limit)]
+
+            async def held_request(first_token: asyncio.Event) -> GenerateResult:
+                out = GenerateResult()
+                async for chunk in client.generate_stream(case.prompt, max_tokens=LONG_TOKENS, ignore_eos=True):
+                    first_token.set()
+                    out.add(chunk)
+                return out
+
+            held = [asyncio.ensure_future(held_request(e)) for e in started]
+            # A first token means admitted and generating: the node holds its slot until the last one.
             deadline = time.monotonic() + 120
-            while (in_flight := llm_node.metric("encdis_requests_in_flight")) < limit:
+            while not all(e.is_set() for e in started):
                 ended = [t for t in held if t.done()]
-                assert not ended, (f"a held request ended with {in_flight:g} in flight, before all {limit} were: "
-                                   f"{ended[0].exception() or 'it completed'}")
-                assert time.monotonic() < deadline, f"{in_flight:g} of the {limit} admitted requests in flight"
-                await asyncio.sleep(0.05)
+                assert not ended, f"a held request ended before all had started: {ended[0].exception()}"
+                assert time.monotonic() < deadline, f"{sum(e.is_set() for e in started)} of {limit} requests started"
+                await asyncio.sleep(0.01)
+            assert not any(t.done() for t in held), "a held request finished before the excess arrived"
 
             async def refused() -> float:
                 t0 = time.monotonic()
