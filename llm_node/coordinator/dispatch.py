@@ -4,7 +4,7 @@ Each round assigns the images still missing (assignment.assign: decreasing cost,
 predicted finish over the SERVING encoders' cost models and backlogs) and runs one Encode
 stream per chosen encoder concurrently. Each embedding, as it arrives, is checked against
 what the coordinator knows before any encoder answers (the image's grid from its header,
-rows = t*h*w / merge_size**2, the LLM's hidden size, the encoder's described datatype, our
+rows = t*h*w / merge_size**2, the LLM's hidden size, the pool's datatype, our
 own digest), turned into a tensor over the received bytes (torch.frombuffer, never pickle)
 and handed to the cache; each batch timing goes to that encoder's cost model.
 
@@ -49,7 +49,7 @@ from .assignment import assign
 from .colocated import ColocatedTransport
 from .colocated_link import ColocatedFailure
 from .embedding_cache import EmbeddingCache
-from .expectation import PendingImage, embedding_mismatch, expected_datatype
+from .expectation import PendingImage, embedding_mismatch
 from .handle import EncoderHandle, EncoderState
 from .metrics import CoordinatorMetrics
 from .pool import EncoderPool
@@ -240,7 +240,7 @@ class Dispatcher:
                     deadline: float | None) -> _CallFailure | None:
         """One Encode stream to `h`; None on success, a _CallFailure when others should retry."""
         timeout, predicted, by_caller = self.attempt_timeout(h, jobs, deadline)
-        datatype = expected_datatype(h)
+        datatype = self.pool.identity.datatype  # every encoder in the pool matched it (identity.py)
         tickets = []
         for j in jobs:
             tickets.append(self.pool.add_work(h, j.patches))

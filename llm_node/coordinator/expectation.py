@@ -3,7 +3,7 @@
 Role: the coordinator trusts no encoder. From an image's header alone it knows the patch
 grid the processor will give it (patches.grid_for_image with the checkpoint's resize
 bounds), hence the embedding's rows (t*h*w / merge_size**2); the hidden size is the LLM's,
-the datatype the one the encoder described, the digest the coordinator's own. An embedding
+the datatype the pool's (identity.py), the digest the coordinator's own. An embedding
 that differs in any of them is refused (`embedding_mismatch`): fewer rows would break the
 engine's split of the concatenated embeddings, more rows or another image's bytes would
 silently change answers.
@@ -14,8 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from encdis.client.wire import DATATYPES, Embedding
-
-from .handle import EncoderHandle
 
 
 @dataclass(frozen=True)
@@ -32,13 +30,6 @@ class PendingImage:
     def patches(self) -> int:
         t, h, w = self.grid
         return t * h * w
-
-
-def expected_datatype(h: EncoderHandle) -> str | None:
-    """The datatype `h` said it sends (Describe); None: any wire datatype."""
-    if h.description is not None and h.description.datatype in DATATYPES:
-        return h.description.datatype
-    return None
 
 
 def embedding_mismatch(emb: Embedding, job: PendingImage, hidden_size: int, datatype: str | None) -> str | None:
