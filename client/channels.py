@@ -23,6 +23,12 @@ from typing import Any
 import grpc
 
 AUTHORIZATION = "authorization"  # gRPC metadata keys are lower case
+# Every SDK client's channel: requests carry encoded images (up to 256 MiB); replies are at most
+# one embedding chunk (4 MiB by default), with room for a larger chunk setting.
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 256 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+]
 
 
 @dataclass(frozen=True)

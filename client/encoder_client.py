@@ -25,17 +25,11 @@ from typing import Any
 
 import grpc
 
-from encdis.client.channels import ChannelSecurity, open_aio_channel, open_channel
+from encdis.client.client_base import AsyncClient, SyncClient
 from encdis.client.colocated import ColocatedReceiver, ColocatedStreamDecoder, Lookahead, receive_pending
 from encdis.client.errors import from_rpc_error
 from encdis.client.pb import encoder_pb2, encoder_pb2_grpc
 from encdis.client.wire import ChunkCopy, Embedding, ExpectedEmbedding, StreamDecoder
-
-# Embedding chunks are at most 4 MiB by default; leave room for a larger chunk setting.
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.max_send_message_length", 256 * 1024 * 1024),
-]
 
 # Encode's replies are read as the bytes gRPC received (no deserializer): StreamDecoder finds
 # each chunk's data in place instead of protobuf copying it twice.
@@ -108,19 +102,10 @@ def encode_request(
     )
 
 
-class EncoderClient:
+class EncoderClient(SyncClient):
     """Blocking client for one encoder node."""
 
-    def __init__(self, target: str, *, timeout: float | None = None, channel: grpc.Channel | None = None,
-                 tls: bool = False, root_certificates: bytes | None = None,
-                 certificate_chain: bytes | None = None, private_key: bytes | None = None,
-                 api_key: str | None = None, server_name: str | None = None) -> None:
-        self.target = target
-        self.timeout = timeout
-        security = ChannelSecurity(tls, root_certificates, certificate_chain, private_key, api_key, server_name)
-        if channel is not None and security != ChannelSecurity():
-            raise ValueError("give either a channel or TLS / API key options, not both")
-        self._channel = channel or open_channel(target, CHANNEL_OPTIONS, security)
+    def _bind(self) -> None:
         self._stub = encoder_pb2_grpc.EncoderServiceStub(self._channel)
         self._encode_raw = self._channel.unary_stream(
             ENCODE_METHOD, request_serializer=encoder_pb2.EncodeRequest.SerializeToString, _registered_method=True)
@@ -154,29 +139,11 @@ class EncoderClient:
             raise from_rpc_error(e) from None
         return EncoderDescription.from_proto(r)
 
-    def close(self) -> None:
-        self._channel.close()
 
-    def __enter__(self) -> EncoderClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class AsyncEncoderClient:
+class AsyncEncoderClient(AsyncClient):
     """asyncio client for one encoder node (grpc.aio)."""
 
-    def __init__(self, target: str, *, timeout: float | None = None, channel: grpc.aio.Channel | None = None,
-                 tls: bool = False, root_certificates: bytes | None = None,
-                 certificate_chain: bytes | None = None, private_key: bytes | None = None,
-                 api_key: str | None = None, server_name: str | None = None) -> None:
-        self.target = target
-        self.timeout = timeout
-        security = ChannelSecurity(tls, root_certificates, certificate_chain, private_key, api_key, server_name)
-        if channel is not None and security != ChannelSecurity():
-            raise ValueError("give either a channel or TLS / API key options, not both")
-        self._channel = channel or open_aio_channel(target, CHANNEL_OPTIONS, security)
+    def _bind(self) -> None:
         self._stub = encoder_pb2_grpc.EncoderServiceStub(self._channel)
         self._encode_raw = self._channel.unary_stream(
             ENCODE_METHOD, request_serializer=encoder_pb2.EncodeRequest.SerializeToString, _registered_method=True)
@@ -254,15 +221,9 @@ class AsyncEncoderClient:
         return EncoderDescription.from_proto(r)
 
     async def close(self) -> None:
-        await self._channel.close()
+        await super().close()
         if self._copy_threads is not None:
             self._copy_threads.shutdown(wait=False)
-
-    async def __aenter__(self) -> AsyncEncoderClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
 
 class _PendingCopies:

@@ -21,15 +21,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from encdis.client.channels import ChannelSecurity, open_aio_channel, open_channel
+from encdis.client.client_base import AsyncClient, SyncClient
 from encdis.client.errors import from_rpc_error
 from encdis.client.pb import llm_pb2, llm_pb2_grpc
-
-# Requests carry encoded images: allow large ones.
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", 256 * 1024 * 1024),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-]
 
 
 @dataclass(frozen=True)
@@ -147,19 +141,10 @@ def generate_request(
     return req
 
 
-class GenerateClient:
+class GenerateClient(SyncClient):
     """Blocking client for an LLM node."""
 
-    def __init__(self, target: str, *, timeout: float | None = None, channel: grpc.Channel | None = None,
-                 tls: bool = False, root_certificates: bytes | None = None,
-                 certificate_chain: bytes | None = None, private_key: bytes | None = None,
-                 api_key: str | None = None, server_name: str | None = None) -> None:
-        self.target = target
-        self.timeout = timeout
-        security = ChannelSecurity(tls, root_certificates, certificate_chain, private_key, api_key, server_name)
-        if channel is not None and security != ChannelSecurity():
-            raise ValueError("give either a channel or TLS / API key options, not both")
-        self._channel = channel or open_channel(target, CHANNEL_OPTIONS, security)
+    def _bind(self) -> None:
         self._stub = llm_pb2_grpc.GenerateServiceStub(self._channel)
 
     def generate_stream(self, prompt: str, images: Sequence[bytes] = (), *, timeout: float | None = None,
@@ -187,29 +172,11 @@ class GenerateClient:
             raise from_rpc_error(e) from None
         return [EncoderInfo.from_proto(e) for e in r.encoders]
 
-    def close(self) -> None:
-        self._channel.close()
 
-    def __enter__(self) -> GenerateClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class AsyncGenerateClient:
+class AsyncGenerateClient(AsyncClient):
     """asyncio client for an LLM node (grpc.aio)."""
 
-    def __init__(self, target: str, *, timeout: float | None = None, channel: grpc.aio.Channel | None = None,
-                 tls: bool = False, root_certificates: bytes | None = None,
-                 certificate_chain: bytes | None = None, private_key: bytes | None = None,
-                 api_key: str | None = None, server_name: str | None = None) -> None:
-        self.target = target
-        self.timeout = timeout
-        security = ChannelSecurity(tls, root_certificates, certificate_chain, private_key, api_key, server_name)
-        if channel is not None and security != ChannelSecurity():
-            raise ValueError("give either a channel or TLS / API key options, not both")
-        self._channel = channel or open_aio_channel(target, CHANNEL_OPTIONS, security)
+    def _bind(self) -> None:
         self._stub = llm_pb2_grpc.GenerateServiceStub(self._channel)
 
     async def generate_stream(self, prompt: str, images: Sequence[bytes] = (), *, timeout: float | None = None,
@@ -237,12 +204,3 @@ class AsyncGenerateClient:
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         return [EncoderInfo.from_proto(e) for e in r.encoders]
-
-    async def close(self) -> None:
-        await self._channel.close()
-
-    async def __aenter__(self) -> AsyncGenerateClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()

@@ -9,6 +9,9 @@ line. Flag types come from the field annotations:
     bool                      --flag / --no-flag; in the environment 1/0, true/false, yes/no, on/off
     X | None                  an empty value means None
     tuple[str, ...]           a comma-separated list ("a:1, b:2" -> ("a:1", "b:2"))
+    a settings dataclass      nested: its fields are flags of their own, at the same flat level
+                              (a name used twice is an error); their defaults come from the
+                              outer field's default instance
 
 A field without a default is required: from_args refuses a missing or empty value. An
 empty environment variable counts as unset. A bad environment value is reported by
@@ -99,6 +102,16 @@ def _converter(annotation: Any) -> Callable[[str], Any]:
     raise TypeError(f"unsupported settings annotation {annotation!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Flag:
+    """One leaf field of a settings tree: its name, type and default."""
+
+    name: str
+    annotation: Any
+    default: Any
+    required: bool
+
+
 def _fields(settings_cls: type) -> list[tuple[dataclasses.Field, Any]]:
     # get_type_hints evaluates the string annotations that `from __future__ import annotations` leaves.
     hints = typing.get_type_hints(settings_cls)
@@ -113,8 +126,37 @@ def _default(f: dataclasses.Field) -> Any:
     return None  # required: from_args refuses it
 
 
-def _required(f: dataclasses.Field) -> bool:
-    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+def _flags(settings_cls: type, defaults: Any = None) -> list[_Flag]:
+    """Every leaf field of `settings_cls`, nested settings dataclasses flattened in place;
+    `defaults` is the instance a nested class's defaults come from."""
+    out: list[_Flag] = []
+    for f, annotation in _fields(settings_cls):
+        default = _default(f) if defaults is None else getattr(defaults, f.name)
+        if dataclasses.is_dataclass(annotation):
+            out.extend(_flags(annotation, default))
+            continue
+        required = defaults is None and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        out.append(_Flag(f.name, annotation, default, required))
+    names = [flag.name for flag in out]
+    if len(set(names)) != len(names):
+        raise TypeError(f"{settings_cls.__name__}: a field name is used twice among its nested settings")
+    return out
+
+
+def flat_values(settings: Any) -> dict[str, Any]:
+    """Every leaf field of a settings instance by its flag's field name, nested settings flattened."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(settings):
+        value = getattr(settings, f.name)
+        out.update(flat_values(value) if dataclasses.is_dataclass(value) else {f.name: value})
+    return out
+
+
+def _build(settings_cls: type[S], values: Mapping[str, Any]) -> S:
+    kwargs = {}
+    for f, annotation in _fields(settings_cls):
+        kwargs[f.name] = _build(annotation, values) if dataclasses.is_dataclass(annotation) else values[f.name]
+    return settings_cls(**kwargs)
 
 
 def add_arguments(parser: argparse.ArgumentParser, settings_cls: type, help: Mapping[str, str], *,
@@ -124,13 +166,14 @@ def add_arguments(parser: argparse.ArgumentParser, settings_cls: type, help: Map
     (os.environ if None), then to the field's default. `help` has a text for every field;
     `choices` restricts a field's flag values (argparse refuses others)."""
     env = os.environ if environ is None else environ
-    for f, annotation in _fields(settings_cls):
+    for f in _flags(settings_cls):
+        annotation = f.annotation
         if f.name not in help:
             raise KeyError(f"{settings_cls.__name__}.{f.name} has no help text")
         conv = _converter(annotation)
         variable = env_name(f.name)
         raw = env.get(variable)
-        default: Any = _default(f)
+        default: Any = f.default
         if raw:
             try:
                 default = conv(raw)
@@ -138,7 +181,7 @@ def add_arguments(parser: argparse.ArgumentParser, settings_cls: type, help: Map
                 default = _InvalidEnv(variable, raw, str(e))
             except ValueError:
                 default = _InvalidEnv(variable, raw, f"not a valid {getattr(conv, '__name__', 'value')}")
-        suffix = "[required]" if _required(f) and default is None else f"(default {default!r})"
+        suffix = "[required]" if f.required and default is None else f"(default {default!r})"
         text = f"{help[f.name]} {suffix} [env {variable}]".replace("%", "%%")  # argparse %-formats help
         kwargs: dict[str, Any] = {"default": default, "help": text}
         if annotation is bool:
@@ -153,11 +196,11 @@ def add_arguments(parser: argparse.ArgumentParser, settings_cls: type, help: Map
 def from_args(settings_cls: type[S], args: argparse.Namespace) -> S:
     """The settings from parsed flags; ValueError names a missing required flag or a bad variable."""
     values: dict[str, Any] = {}
-    for f, _annotation in _fields(settings_cls):
+    for f in _flags(settings_cls):
         value = getattr(args, f.name)
         if isinstance(value, _InvalidEnv):
             raise ValueError(f"{value.variable}={value.raw!r}: {value.reason} (for {flag_name(f.name)})")
-        if _required(f) and value in (None, "", ()):
+        if f.required and value in (None, "", ()):
             raise ValueError(f"{flag_name(f.name)} is required (or set {env_name(f.name)})")
         values[f.name] = value
-    return settings_cls(**values)
+    return _build(settings_cls, values)

@@ -4,7 +4,11 @@ Where each role lives:
     server.py       wiring only: engine, coordinator, front doors, health, metrics, drain
     generation.py   one generation for any front door: embeddings, prompt, vLLM, usage, time split
     grpc_front.py   the gRPC front door (GenerateService): proto <-> GenerationRequest
+    http_front.py   the OpenAI-compatible HTTP front door (FastAPI + uvicorn on the node's loop)
+    media.py        image bytes from an OpenAI image_url (data: URIs, allowed http(s) hosts)
+    admission.py    admission control: requests and embedding bytes in flight
     engine.py       the vLLM AsyncLLM host (also the monolithic reference with the tower loaded)
+    reaper.py       a small process that kills vLLM's engine processes if the node dies
     prompt.py       the checkpoint's chat template, one image placeholder per image
     coordinator/    images -> embeddings over the encoder pool (imports no vLLM)
     settings.py     LLMSettings from flags and ENCDIS_* variables

@@ -79,7 +79,7 @@ class Exposure:
         from encdis.llm_node.coordinator.channel_security import encoder_channel_security
 
         return cls(ServerTLS.from_flags(s.tls_cert, s.tls_key, s.tls_client_ca), ApiKeys.configured(s.api_key_file),
-                   encoder_channel_security(s))
+                   encoder_channel_security(s.coordinator))
 
 
 async def _serve(settings: LLMSettings, engine: EngineHost, exposure: Exposure) -> int:
@@ -90,12 +90,13 @@ async def _serve(settings: LLMSettings, engine: EngineHost, exposure: Exposure) 
     log.info("vLLM workers hold %d vision-tower parameters (%s)", tower_params,
              ", ".join(str(t["visual_type"]) for t in towers))
 
-    if settings.encoder_datatype == "auto":
-        settings = dataclasses.replace(settings, encoder_datatype=engine.embedding_datatype())
-    log.info("encoders must send %s embeddings", settings.encoder_datatype)
+    coordinator_settings = settings.coordinator
+    if coordinator_settings.encoder_datatype == "auto":
+        coordinator_settings = dataclasses.replace(coordinator_settings, encoder_datatype=engine.embedding_datatype())
+    log.info("encoders must send %s embeddings", coordinator_settings.encoder_datatype)
     registry = CollectorRegistry()
     metrics = LLMNodeMetrics(registry)
-    coordinator = Coordinator.from_checkpoint(settings, registry, settings.model,
+    coordinator = Coordinator.from_checkpoint(coordinator_settings, registry, settings.model,
                                               channel_security=exposure.encoder_security)
     await coordinator.start()
     service = GenerationService(settings, engine, coordinator, PromptRenderer(settings.model), metrics)

@@ -4,11 +4,14 @@ It imports no vLLM and nothing of the engine host; the LLM node's front doors ca
 
 Modules, one role each:
     coordinator      Coordinator: the flow of one request (probe, digest, cache, dispatch)
+    settings         CoordinatorSettings: its knobs (the LLM node's flags of the same names)
     dispatch         Encode streams to encoders, per-attempt bounds, retries
     expectation      what an encoder must send back for an image, and the check
     pool             EncoderPool: membership (static and DNS targets), work in flight, penalties
     penalty          back-offs of quarantined (bad data) and slow (late) encoders
     handle           EncoderHandle: one encoder's connection, keepalive and state
+    colocated        co-located transport policy: which encoders get a pairwise group, fallbacks
+    colocated_link   one co-located pair: rendezvous, receiving embeddings over it, closing
     channel_security TLS (verified against the name an encoder was found by), client cert, API key
     health           health watch and Describe; refusal of a mismatched model
     identity         ModelIdentity: what an encoder must match
@@ -21,7 +24,8 @@ Modules, one role each:
     metrics          encdis_coordinator_* metrics
 """
 
-from encdis.llm_node.coordinator.coordinator import Coordinator, CoordinatorSettings
+from encdis.llm_node.coordinator.coordinator import Coordinator
 from encdis.llm_node.coordinator.records import EncodeResult, EncoderStatus, ImageEmbedding
+from encdis.llm_node.coordinator.settings import CoordinatorSettings
 
 __all__ = ["Coordinator", "CoordinatorSettings", "EncodeResult", "EncoderStatus", "ImageEmbedding"]

@@ -21,23 +21,25 @@ import grpc
 from encdis.client.channels import ChannelSecurity, open_aio_channel, read_api_key_file
 
 from .discovery import is_ip_literal, split_host_port
+from .settings import CoordinatorSettings
 
 ENCODER_API_KEY_ENV = "ENCDIS_ENCODER_API_KEY"
 
 
-def encoder_channel_security(settings: Any, environ: Mapping[str, str] | None = None) -> ChannelSecurity | None:
-    """What the LLM node's settings (--encoder-tls-*, --encoder-api-key-file) ask for; None: plaintext, no key."""
+def encoder_channel_security(settings: CoordinatorSettings,
+                             environ: Mapping[str, str] | None = None) -> ChannelSecurity | None:
+    """What the settings (--encoder-tls-*, --encoder-api-key-file) ask for; None: plaintext, no key."""
     env = os.environ if environ is None else environ
-    key_file = getattr(settings, "encoder_api_key_file", None)
+    key_file = settings.encoder_api_key_file
     inline = env.get(ENCODER_API_KEY_ENV) or None
     if key_file is not None and inline is not None:
         raise ValueError(f"set --encoder-api-key-file or {ENCODER_API_KEY_ENV}, not both")
     api_key = read_api_key_file(key_file) if key_file is not None else (inline.strip() if inline else None)
-    ca = getattr(settings, "encoder_tls_ca", None)
+    ca = settings.encoder_tls_ca
     if ca is None and api_key is None:
         return None
-    return ChannelSecurity.from_files(ca=ca, cert=getattr(settings, "encoder_tls_cert", None),
-                                      key=getattr(settings, "encoder_tls_key", None), api_key=api_key)
+    return ChannelSecurity.from_files(ca=ca, cert=settings.encoder_tls_cert, key=settings.encoder_tls_key,
+                                      api_key=api_key)
 
 
 def verification_name(names: Iterable[str]) -> str | None:

@@ -32,11 +32,11 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from encdis.client.channels import ChannelSecurity
 from encdis.client.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from encdis.client.wire import content_digest
 from encdis.image_header import ImageHeader
@@ -51,6 +51,7 @@ from .metrics import CoordinatorMetrics
 from .penalty import BackoffSchedule
 from .pool import EncoderPool, states_count
 from .records import EncodeResult, EncoderStatus, ImageEmbedding
+from .settings import CoordinatorSettings
 
 log = logging.getLogger(__name__)
 
@@ -58,67 +59,23 @@ log = logging.getLogger(__name__)
 OFFLOAD_BYTES = 1 << 20
 
 
-@dataclass(frozen=True)
-class CoordinatorSettings:
-    """The coordinator's knobs; `from_settings` reads them off the LLM node's settings by name."""
-
-    encoders: tuple[str, ...] = ()
-    dns_server: str | None = None
-    dns_refresh_seconds: float = 10.0
-    cache_bytes: int = 256 * 1024 * 1024
-    max_retries: int = 3
-    encode_timeout_seconds: float = 120.0
-    # A request finding no SERVING encoder waits this long for encoders still connecting or
-    # being re-checked after a failure, then fails with UNAVAILABLE.
-    encoder_wait_seconds: float = 10.0
-    describe_timeout_seconds: float = 10.0
-    image_loader: str = "vllm"  # what encoders must use (encoder_node/image_loader.py); part of the digest
-    # HTTP/2 pings on each encoder channel: a peer silent this long after a ping is dropped.
-    keepalive_time_seconds: float = 10.0
-    keepalive_timeout_seconds: float = 5.0
-    # One attempt's bound once the encoder's cost model has data: max(floor, margin * predicted).
-    attempt_timeout_floor_seconds: float = 2.0
-    attempt_timeout_margin: float = 3.0
-    # Out of rotation after bad data (quarantined) or a late attempt (slow): doubling per repeat.
-    quarantine_seconds: float = 5.0
-    quarantine_max_seconds: float = 300.0
-    slow_seconds: float = 5.0
-    slow_max_seconds: float = 60.0
-    # RESOURCE_EXHAUSTED adds this many predicted seconds to the encoder's backlog, decaying.
-    busy_seconds: float = 2.0
-    # Between retry rounds in which every encoder failed the request: exponential, jittered.
-    retry_backoff_seconds: float = 0.05
-    retry_backoff_max_seconds: float = 1.0
-    # Co-located transport (colocated.py): auto, off or require; bound of each transfer.
-    colocated: str = "auto"
-    colocated_timeout_seconds: float = 10.0
-    # Encoders must send this datatype (identity.py); the LLM node sets its engine's.
-    encoder_datatype: str = "FP32"
-
-    @classmethod
-    def from_settings(cls, settings: Any) -> CoordinatorSettings:
-        if isinstance(settings, cls):
-            return settings
-        defaults = cls()
-        values = {f: getattr(settings, f, getattr(defaults, f)) for f in cls.__dataclass_fields__}
-        values["encoders"] = tuple(values["encoders"])
-        return cls(**values)
-
-
 class Coordinator:
     """Images -> embeddings over the encoder pool, with cache, assignment and retries."""
 
     def __init__(
         self,
-        settings: Any,
+        settings: CoordinatorSettings,
         registry: CollectorRegistry | None = None,
         *,
         weights_fingerprint: str,
         hidden_size: int,
         processor: Mapping[str, Any],
-        channel_security: Any = None,  # encdis.client.channels.ChannelSecurity: TLS / API key to encoders
+        channel_security: ChannelSecurity | None = None,  # TLS / API key to encoders
     ) -> None:
-        self.settings = CoordinatorSettings.from_settings(settings)
+        if settings.encoder_datatype == "auto":
+            raise ValueError("the coordinator needs a concrete encoder datatype (the LLM node resolves auto to "
+                             "its engine's)")
+        self.settings = settings
         self.channel_security = channel_security
         self.weights_fingerprint = weights_fingerprint
         self.hidden_size = int(hidden_size)
@@ -132,8 +89,8 @@ class Coordinator:
         self.colocated: ColocatedTransport | None = None
 
     @classmethod
-    def from_checkpoint(cls, settings: Any, registry: CollectorRegistry | None,
-                        model_dir: str | os.PathLike, channel_security: Any = None) -> Coordinator:
+    def from_checkpoint(cls, settings: CoordinatorSettings, registry: CollectorRegistry | None,
+                        model_dir: str | os.PathLike, channel_security: ChannelSecurity | None = None) -> Coordinator:
         """A coordinator for the checkpoint in `model_dir` (fingerprint, hidden size, processor)."""
         from encdis.checkpoint import read_processor_config, text_hidden_size, weights_fingerprint
 

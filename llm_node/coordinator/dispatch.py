@@ -54,11 +54,10 @@ from .handle import EncoderHandle, EncoderState
 from .metrics import CoordinatorMetrics
 from .pool import EncoderPool
 from .records import ImageEmbedding
+from .settings import CoordinatorSettings
 
 if TYPE_CHECKING:
     import torch
-
-    from .coordinator import CoordinatorSettings
 
 log = logging.getLogger(__name__)
 

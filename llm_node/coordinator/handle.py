@@ -15,8 +15,8 @@ import asyncio
 from enum import Enum
 from typing import Any
 
-from encdis.client.channels import ChannelSecurity
-from encdis.client.encoder_client import CHANNEL_OPTIONS, AsyncEncoderClient, EncoderDescription
+from encdis.client.channels import CHANNEL_OPTIONS, ChannelSecurity
+from encdis.client.encoder_client import AsyncEncoderClient, EncoderDescription
 
 from .channel_security import open_encoder_channel
 from .penalty import FaultRecord, Penalty

@@ -13,7 +13,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from encdis.client import EncoderClient, Unavailable
-from encdis.client.encoder_client import CHANNEL_OPTIONS, encode_request
+from encdis.client.channels import CHANNEL_OPTIONS
+from encdis.client.encoder_client import encode_request
 from encdis.client.pb import encoder_pb2_grpc
 from encdis.client.wire import Embedding, StreamDecoder
 from encdis.launcher import start_node

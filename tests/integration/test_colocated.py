@@ -22,7 +22,8 @@ from prometheus_client import CollectorRegistry
 
 from encdis.encoder_node.colocated import TEST_FAULT_STALL_ENV
 from encdis.launcher import NodeProcess, start_node
-from encdis.llm_node.coordinator.coordinator import Coordinator, CoordinatorSettings
+from encdis.llm_node.coordinator.coordinator import Coordinator
+from encdis.llm_node.coordinator.settings import CoordinatorSettings
 from encdis.pair_group import read_boot_id
 from tests.fake_encoder import FakeEncoder
 from tests.integration.test_coordinator import encoder_args, metric, png

@@ -28,8 +28,9 @@ from encdis.client.encoder_client import EncoderClient
 from encdis.client.errors import InvalidArgument, Unavailable
 from encdis.client.wire import content_digest
 from encdis.launcher import NodeProcess
-from encdis.llm_node.coordinator.coordinator import Coordinator, CoordinatorSettings
+from encdis.llm_node.coordinator.coordinator import Coordinator
 from encdis.llm_node.coordinator.discovery import Resolver
+from encdis.llm_node.coordinator.settings import CoordinatorSettings
 from tests.dns_server import LoopbackDNS
 from tests.fake_encoder import FakeEncoder
 

@@ -13,9 +13,10 @@ import pytest
 from encdis.checkpoint import read_processor_config, text_hidden_size, weights_fingerprint
 from encdis.client.errors import InvalidArgument, Unavailable
 from encdis.llm_node import settings as llm_settings
-from encdis.llm_node.coordinator.coordinator import Coordinator, CoordinatorSettings
+from encdis.llm_node.coordinator.coordinator import Coordinator
 from encdis.llm_node.coordinator.dispatch import PendingImage, _request_numbering
 from encdis.llm_node.coordinator.identity import ModelIdentity
+from encdis.llm_node.coordinator.settings import CoordinatorSettings
 
 
 def test_settings_come_from_the_llm_nodes_flags_and_environment() -> None:
@@ -23,10 +24,11 @@ def test_settings_come_from_the_llm_nodes_flags_and_environment() -> None:
     llm_settings.add_arguments(parser, environ={"ENCDIS_MAX_RETRIES": "5", "ENCDIS_CACHE_BYTES": "1024"})
     args = parser.parse_args(["--model", "/m", "--encoders", "enc.svc:50051,10.0.0.2:50051",
                               "--dns-server", "127.0.0.1:5353", "--dns-refresh-seconds", "2"])
-    s = CoordinatorSettings.from_settings(llm_settings.from_args(args))
+    s = llm_settings.from_args(args).coordinator
     assert s.encoders == ("enc.svc:50051", "10.0.0.2:50051")
     assert (s.dns_server, s.dns_refresh_seconds, s.max_retries, s.cache_bytes) == ("127.0.0.1:5353", 2.0, 5, 1024)
-    assert s.encode_timeout_seconds == llm_settings.LLMSettings(model="/m").encode_timeout_seconds
+    assert s.encode_timeout_seconds == CoordinatorSettings().encode_timeout_seconds
+    assert s.encoder_datatype == "auto"  # the node resolves it to its engine's dtype
 
 
 def test_identity_is_the_checkpoints(tiny_ckpt) -> None:

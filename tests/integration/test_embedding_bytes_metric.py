@@ -9,7 +9,8 @@ import numpy as np
 from PIL import Image
 from prometheus_client import CollectorRegistry
 
-from encdis.llm_node.coordinator.coordinator import Coordinator, CoordinatorSettings
+from encdis.llm_node.coordinator.coordinator import Coordinator
+from encdis.llm_node.coordinator.settings import CoordinatorSettings
 from tests.fake_encoder import FakeEncoder
 
 METRIC = "encdis_coordinator_embedding_bytes_received_total"

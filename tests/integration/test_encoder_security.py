@@ -24,7 +24,8 @@ from PIL import Image
 from encdis.client.channels import ChannelSecurity
 from encdis.client.errors import Unavailable
 from encdis.launcher import NodeProcess, start_node
-from encdis.llm_node.coordinator.coordinator import Coordinator, CoordinatorSettings
+from encdis.llm_node.coordinator.coordinator import Coordinator
+from encdis.llm_node.coordinator.settings import CoordinatorSettings
 from tests.certificates import Leaf, TestPKI
 from tests.dns_server import LoopbackDNS
 

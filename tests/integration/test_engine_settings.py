@@ -19,22 +19,23 @@ def test_flags_build_the_settings():
     s = parse(["--model", "/m", "--encoders", "enc-0:50051, enc.ns.svc:50051", "--tp", "8", "--port", "0",
                "--metrics-port", "9100", "--dns-server", "10.0.0.10:53"])
     assert s.model == "/m"
-    assert s.encoders == ("enc-0:50051", "enc.ns.svc:50051")
-    assert (s.tp, s.port, s.metrics_port, s.dns_server) == (8, 0, 9100, "10.0.0.10:53")
+    assert s.coordinator.encoders == ("enc-0:50051", "enc.ns.svc:50051")
+    assert (s.tp, s.port, s.metrics_port, s.coordinator.dns_server) == (8, 0, 9100, "10.0.0.10:53")
 
 
 def test_environment_gives_defaults_and_flags_win():
     env = {"ENCDIS_MODEL": "/env-model", "ENCDIS_ENCODERS": "a:1,b:2", "ENCDIS_TP": "2",
            "ENCDIS_DNS_REFRESH_SECONDS": "3.5", "ENCDIS_CACHE_BYTES": "1024"}
     s = parse([], env)
-    assert (s.model, s.encoders, s.tp, s.dns_refresh_seconds, s.cache_bytes) == ("/env-model", ("a:1", "b:2"), 2,
+    c = s.coordinator
+    assert (s.model, c.encoders, s.tp, c.dns_refresh_seconds, c.cache_bytes) == ("/env-model", ("a:1", "b:2"), 2,
                                                                                   3.5, 1024)
     assert parse(["--tp", "4"], env).tp == 4
 
 
 def test_defaults_disable_metrics_and_run_one_rank():
     s = parse(["--model", "/m"])
-    assert s.metrics_port == -1 and s.tp == 1 and s.encoders == ()
+    assert s.metrics_port == -1 and s.tp == 1 and s.coordinator.encoders == ()
 
 
 @pytest.mark.parametrize("argv", [["--tp", "0"], ["--dtype", "int3"], ["--mm-tensor-ipc", "carrier-pigeon"],

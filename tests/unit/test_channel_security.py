@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from encdis.llm_node.coordinator.channel_security import encoder_channel_security, verification_name
+from encdis.llm_node.coordinator.settings import CoordinatorSettings
 from encdis.llm_node.settings import LLMSettings
 from tests.certificates import TestPKI
 
@@ -26,16 +27,16 @@ def test_settings_become_channel_security(tmp_path: Path):
     client = pki.issue("llm", client=True)
     key_file = tmp_path / "encoder-key"
     key_file.write_text("\nthe-encoder-key\n")
-    assert encoder_channel_security(LLMSettings(model="m"), environ={}) is None  # plaintext, no key
+    assert encoder_channel_security(CoordinatorSettings(), environ={}) is None  # plaintext, no key
 
-    s = LLMSettings(model="m", encoder_tls_ca=pki.ca, encoder_tls_cert=client.cert, encoder_tls_key=client.key,
-                    encoder_api_key_file=key_file)
+    s = CoordinatorSettings(encoder_tls_ca=pki.ca, encoder_tls_cert=client.cert, encoder_tls_key=client.key,
+                            encoder_api_key_file=key_file)
     sec = encoder_channel_security(s, environ={})
     assert sec.tls and sec.root_certificates == pki.ca_pem
     assert (sec.certificate_chain, sec.private_key) == (client.cert_pem, client.key_pem)
     assert sec.api_key == "the-encoder-key"
 
-    keyed = encoder_channel_security(LLMSettings(model="m"), environ={"ENCDIS_ENCODER_API_KEY": "env-key"})
+    keyed = encoder_channel_security(CoordinatorSettings(), environ={"ENCDIS_ENCODER_API_KEY": "env-key"})
     assert not keyed.tls and keyed.api_key == "env-key"  # a key over plaintext (TLS ends in a mesh)
     with pytest.raises(ValueError, match="not both"):
         encoder_channel_security(s, environ={"ENCDIS_ENCODER_API_KEY": "env-key"})
@@ -43,8 +44,8 @@ def test_settings_become_channel_security(tmp_path: Path):
 
 def test_incomplete_encoder_tls_settings_are_refused(tmp_path: Path):
     with pytest.raises(ValueError, match="--encoder-tls-cert and --encoder-tls-key go together"):
-        LLMSettings(model="m", encoder_tls_ca=tmp_path / "ca", encoder_tls_cert=tmp_path / "c")
+        CoordinatorSettings(encoder_tls_ca=tmp_path / "ca", encoder_tls_cert=tmp_path / "c")
     with pytest.raises(ValueError, match="--encoder-tls-cert needs --encoder-tls-ca"):
-        LLMSettings(model="m", encoder_tls_cert=tmp_path / "c", encoder_tls_key=tmp_path / "k")
+        CoordinatorSettings(encoder_tls_cert=tmp_path / "c", encoder_tls_key=tmp_path / "k")
     with pytest.raises(ValueError, match="--tls-client-ca needs --tls-cert"):
         LLMSettings(model="m", tls_client_ca=tmp_path / "ca")

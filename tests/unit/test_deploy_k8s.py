@@ -22,6 +22,7 @@ import yaml
 
 from encdis.cli import build_parser
 from encdis.client.pb import encoder_pb2, llm_pb2
+from encdis.settings_flags import flat_values
 from tests.needs import require_tool
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
@@ -185,8 +186,8 @@ def test_llm_node_finds_encoders_through_the_headless_service(rendered: dict, mo
     assert enc_svc["spec"].get("publishNotReadyAddresses", False) is False  # draining pods leave DNS
     ns = enc_svc["metadata"]["namespace"]
     grpc = next(p["port"] for p in enc_svc["spec"]["ports"] if p["name"] == "grpc")
-    assert s.encoders == (f"encdis-encoder.{ns}.svc.cluster.local:{grpc}",)
-    assert s.dns_refresh_seconds <= 10
+    assert s.coordinator.encoders == (f"encdis-encoder.{ns}.svc.cluster.local:{grpc}",)
+    assert s.coordinator.dns_refresh_seconds <= 10
     # Tensor parallelism over all the GPUs the pod gets, sharing a memory-backed /dev/shm.
     c = container(llm)
     assert s.tp == c["resources"]["limits"]["nvidia.com/gpu"] == 8
@@ -286,8 +287,9 @@ def test_certificates_and_keys_come_from_mounted_secrets(rendered: dict, monkeyp
                                                          component: str) -> None:
     dep = rendered[("Deployment", f"encdis-{component}")]
     _, s = node_settings(dep, monkeypatch)
+    values = flat_values(s)
     for field in SECRET_FILES[component]:
-        path = getattr(s, field)
+        path = values[field]
         assert path is not None, f"{component}: --{field.replace('_', '-')} is not set"
         secret_source(dep, Path(path))
     assert s.reflection is False  # production pods do not describe their API to anyone who asks
@@ -299,7 +301,8 @@ def test_llm_node_sends_the_key_the_encoders_accept(rendered: dict, monkeypatch:
     enc_dep, llm_dep = rendered[("Deployment", "encdis-encoder")], rendered[("Deployment", "encdis-llm")]
     _, enc = node_settings(enc_dep, monkeypatch)
     _, llm = node_settings(llm_dep, monkeypatch)
-    assert secret_source(llm_dep, Path(llm.encoder_api_key_file)) == secret_source(enc_dep, Path(enc.api_key_file))
+    c = llm.coordinator
+    assert secret_source(llm_dep, Path(c.encoder_api_key_file)) == secret_source(enc_dep, Path(enc.api_key_file))
     # TLS to encoders is on and complete (CA, and a client certificate since they require one).
     assert enc.tls_client_ca is not None
-    assert llm.encoder_tls_ca is not None and llm.encoder_tls_cert is not None and llm.encoder_tls_key is not None
+    assert c.encoder_tls_ca is not None and c.encoder_tls_cert is not None and c.encoder_tls_key is not None

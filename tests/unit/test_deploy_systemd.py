@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from encdis.cli import build_parser
+from encdis.settings_flags import flat_values
 from tests.needs import require_tool
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "systemd"
@@ -235,10 +236,10 @@ def test_llm_example_points_at_the_encoder_instances_it_names(monkeypatch: pytes
     gpus = example["CUDA_VISIBLE_DEVICES"].split(",")
     assert s.tp == len(gpus)
     # The encoders it lists are encdis-encoder@N on the other GPUs of the host.
-    encoder_gpus = [str(ep).rsplit(":", 1)[1] for ep in s.encoders]
+    encoder_gpus = [str(ep).rsplit(":", 1)[1] for ep in s.coordinator.encoders]
     encoder_gpus = [str(int(p) - 50060) for p in encoder_gpus]
     assert not set(encoder_gpus) & set(gpus)
-    for gpu, ep in zip(encoder_gpus, s.encoders, strict=True):
+    for gpu, ep in zip(encoder_gpus, s.coordinator.encoders, strict=True):
         encoder = _settings_under_systemd("encoder", gpu, monkeypatch)
         assert ep == f"127.0.0.1:{encoder.port}"
     assert (s.port, s.metrics_port) == (50050, 9150)
@@ -265,8 +266,9 @@ def test_certificates_and_keys_are_credentials_passed_as_flags(kind: str, monkey
         assert source.startswith("/etc/encdis/"), source  # root-owned config, not the service's
     s = _settings_under_systemd(kind, "0", monkeypatch)
     used = set()
+    values = flat_values(s)
     for field in CREDENTIAL_FLAGS[kind]:
-        path = getattr(s, field)
+        path = values[field]
         assert path is not None, f"{kind}: --{field.replace('_', '-')} is not set"
         assert str(path.parent) == CREDENTIALS_DIR and path.name in creds, f"{field}: {path}"
         used.add(path.name)

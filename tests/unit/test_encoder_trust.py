@@ -15,7 +15,6 @@ from prometheus_client import CollectorRegistry
 
 from encdis.client.wire import Embedding
 from encdis.llm_node import settings as llm_settings
-from encdis.llm_node.coordinator.coordinator import CoordinatorSettings
 from encdis.llm_node.coordinator.cost_model import CostModel
 from encdis.llm_node.coordinator.dispatch import Dispatcher
 from encdis.llm_node.coordinator.embedding_cache import EmbeddingCache
@@ -25,6 +24,7 @@ from encdis.llm_node.coordinator.identity import ModelIdentity
 from encdis.llm_node.coordinator.metrics import CoordinatorMetrics
 from encdis.llm_node.coordinator.penalty import BackoffSchedule, FaultRecord
 from encdis.llm_node.coordinator.pool import EncoderPool
+from encdis.llm_node.coordinator.settings import CoordinatorSettings
 
 HIDDEN = 64
 JOB = PendingImage(index=2, digest="d" * 64, grid=(1, 16, 16), rows=64)
@@ -106,14 +106,14 @@ def test_llm_node_flags_and_environment_reach_the_coordinator() -> None:
     llm_settings.add_arguments(parser, environ={"ENCDIS_QUARANTINE_SECONDS": "2.5"})
     args = parser.parse_args(["--model", "/m", "--keepalive-time-seconds", "3", "--slow-max-seconds", "30",
                               "--encoder-datatype", "BF16"])
-    s = CoordinatorSettings.from_settings(llm_settings.from_args(args))
+    s = llm_settings.from_args(args).coordinator
     assert (s.quarantine_seconds, s.keepalive_time_seconds, s.slow_max_seconds) == (2.5, 3.0, 30.0)
     assert s.encoder_datatype == "BF16"
     with pytest.raises(ValueError, match="encoder-datatype"):
-        llm_settings.LLMSettings(model="/m", encoder_datatype="bf16")
+        CoordinatorSettings(encoder_datatype="bf16")
     with pytest.raises(ValueError, match="keepalive-time-seconds"):
-        llm_settings.LLMSettings(model="/m", keepalive_time_seconds=0.2)  # encoders would answer GOAWAY
+        CoordinatorSettings(keepalive_time_seconds=0.2)  # encoders would answer GOAWAY
     with pytest.raises(ValueError, match="quarantine-max-seconds"):
-        llm_settings.LLMSettings(model="/m", quarantine_seconds=10.0, quarantine_max_seconds=5.0)
+        CoordinatorSettings(quarantine_seconds=10.0, quarantine_max_seconds=5.0)
     with pytest.raises(ValueError, match="attempt-timeout-margin"):
-        llm_settings.LLMSettings(model="/m", attempt_timeout_margin=0.5)
+        CoordinatorSettings(attempt_timeout_margin=0.5)

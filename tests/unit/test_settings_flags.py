@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -110,3 +110,35 @@ def test_every_field_needs_a_help_text():
     with pytest.raises(KeyError, match="Knobs.mode"):
         settings_flags.add_arguments(argparse.ArgumentParser(), Knobs, {k: v for k, v in HELP.items() if k != "mode"},
                                      environ={})
+
+
+@dataclass(frozen=True)
+class Inner:
+    retries: int = 3
+    peers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Outer:
+    model: str
+    inner: Inner = field(default_factory=lambda: Inner(retries=5))
+
+
+def test_nested_settings_are_flat_flags_with_the_outer_defaults():
+    p = argparse.ArgumentParser(exit_on_error=False)
+    settings_flags.add_arguments(p, Outer, {"model": "m", "retries": "r", "peers": "p"},
+                                 environ={"ENCDIS_PEERS": "a:1,b:2"})
+    built = settings_flags.from_args(Outer, p.parse_args(["--model", "/m"]))
+    assert built == Outer(model="/m", inner=Inner(retries=5, peers=("a:1", "b:2")))  # 5: Outer's default instance
+    assert settings_flags.from_args(Outer, p.parse_args(["--model", "/m", "--retries", "1"])).inner.retries == 1
+    assert settings_flags.flat_values(built) == {"model": "/m", "retries": 5, "peers": ("a:1", "b:2")}
+
+
+def test_a_nested_name_that_repeats_an_outer_one_is_refused():
+    @dataclass(frozen=True)
+    class Clash:
+        retries: int = 1
+        inner: Inner = field(default_factory=Inner)
+
+    with pytest.raises(TypeError, match="used twice"):
+        settings_flags.add_arguments(argparse.ArgumentParser(), Clash, {"retries": "r", "peers": "p"}, environ={})
