@@ -113,11 +113,15 @@ class EncoderInfo:
     patches_per_second: float
     assigned_patches: int
     assigned_images: int
+    backoff_seconds: float  # length of its current penalty (quarantined, slow); 0 when none
+    faults: int  # consecutive faults behind that penalty
+    backoff_remaining_seconds: float  # until it is probed again
 
     @classmethod
     def from_proto(cls, e: llm_pb2.EncoderInfo) -> EncoderInfo:
         return cls(e.address, e.name, e.state, e.reason, e.backlog_seconds, e.backlog_patches,
-                   e.patches_per_second, e.assigned_patches, e.assigned_images)
+                   e.patches_per_second, e.assigned_patches, e.assigned_images, e.backoff_seconds, e.faults,
+                   e.backoff_remaining_seconds)
 
 
 def generate_request(

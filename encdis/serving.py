@@ -1,7 +1,8 @@
 """gRPC node plumbing shared by the encoder node and the LLM node.
 
 - ErrorMappingInterceptor: the one place exceptions become status codes. encdis's typed
-  errors keep their code and message; anything else is INTERNAL with a fixed message and
+  errors keep their code, message and details (ErrorInfo, BadRequest: client/errors.py);
+  anything else is INTERNAL with a fixed message and
   the details in the log, so internals never leak and a bad request never kills a node.
 - Health (grpc.health.v1) and reflection (--no-reflection leaves it out), with a HealthState
   to flip on drain; optionally a plaintext port serving health alone, for probes that
@@ -83,7 +84,8 @@ def _check_decoded(request) -> None:
 async def _abort_for(exc: BaseException, context: grpc.aio.ServicerContext, method: str) -> None:
     if isinstance(exc, EncdisError):
         log.info("%s -> %s: %s", method, exc.code.name, exc.message)
-        await context.abort(exc.code, exc.message)
+        # The details (ErrorInfo, BadRequest) go in the status trailer, as gRPC's rich error model has it.
+        await context.abort(exc.code, exc.message, trailing_metadata=exc.to_status().trailing_metadata)
     log.exception("%s failed unexpectedly", method, exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
 

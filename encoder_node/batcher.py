@@ -81,8 +81,8 @@ class Batcher:
         if self._queued_patches > 0 and self._queued_patches + patches > self.max_queued_patches:
             raise ResourceExhausted(
                 f"encoder queue is full: {self._queued_patches} patches queued, this call needs {patches}, "
-                f"the limit is {self.max_queued_patches}"
-            )
+                f"the limit is {self.max_queued_patches}",
+                reason="ENCODER_QUEUE_FULL", metadata={"limit": str(self.max_queued_patches)})
         self._add_queued(patches)
 
     def release(self, patches: int) -> None:

@@ -24,7 +24,8 @@ class DecodeBudget:
     def hold(self, pixels: int) -> Iterator[None]:
         if self.in_flight and self.in_flight + pixels > self.max_pixels:
             raise ResourceExhausted(f"{self.in_flight} decoded pixels in flight, this call needs {pixels}, "
-                                    f"the limit is {self.max_pixels}; retry later")
+                                    f"the limit is {self.max_pixels}; retry later", reason="DECODE_BUDGET_FULL",
+                                    metadata={"limit": str(self.max_pixels)})
         self.in_flight += pixels
         try:
             yield

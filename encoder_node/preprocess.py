@@ -85,25 +85,24 @@ class ImagePreprocessor:
     def inspect(self, index: int, data: bytes) -> ImageHeader:
         """Check an image from its header alone; raises InvalidArgument('image i: why')."""
         if not data:
-            raise InvalidArgument(f"image {index}: empty (0 bytes)")
+            raise InvalidArgument.for_image(index, "empty (0 bytes)")
         if len(data) > self.max_image_bytes:
-            raise InvalidArgument(f"image {index}: {len(data)} bytes exceeds the limit of {self.max_image_bytes} bytes")
+            raise InvalidArgument.for_image(index,
+                                            f"{len(data)} bytes exceeds the limit of {self.max_image_bytes} bytes")
         try:
             header = read_header(data)
         except ValueError as e:
-            raise InvalidArgument(f"image {index}: {e}") from None
+            raise InvalidArgument.for_image(index, str(e)) from None
         width, height = header.width, header.height
         if width * height > self.max_image_pixels:
-            raise InvalidArgument(
-                f"image {index}: {width}x{height} = {width * height} pixels exceeds the limit of "
-                f"{self.max_image_pixels} pixels"
-            )
+            raise InvalidArgument.for_image(
+                index, f"{width}x{height} = {width * height} pixels exceeds the limit of {self.max_image_pixels} "
+                "pixels")
         ratio = max(width, height) / min(width, height)
         if ratio > MAX_ASPECT_RATIO:
-            raise InvalidArgument(
-                f"image {index}: aspect ratio {ratio:.1f} ({width}x{height}) exceeds {MAX_ASPECT_RATIO}, "
-                "the most the image processor allows"
-            )
+            raise InvalidArgument.for_image(
+                index, f"aspect ratio {ratio:.1f} ({width}x{height}) exceeds {MAX_ASPECT_RATIO}, "
+                "the most the image processor allows")
         return header
 
     def num_patches(self, header: ImageHeader, min_pixels: int, max_pixels: int) -> int:
@@ -117,17 +116,17 @@ class ImagePreprocessor:
         try:
             img = open_image(data)
         except ValueError as e:
-            raise InvalidArgument(f"image {index}: {e}") from None
+            raise InvalidArgument.for_image(index, str(e)) from None
         try:
             img.load()
         except Exception as e:  # PIL raises many types for broken files
-            raise InvalidArgument(f"image {index}: cannot decode {img.format}: {e}") from None
+            raise InvalidArgument.for_image(index, f"cannot decode {img.format}: {e}") from None
         try:
             rgb = image_loader.load(img, self.image_loader)
             out = self.processor(images=[rgb], size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
                                  return_tensors="pt")
         except (ValueError, OSError, TypeError) as e:
-            raise InvalidArgument(f"image {index}: preprocessing failed: {e}") from None
+            raise InvalidArgument.for_image(index, f"preprocessing failed: {e}") from None
         t, h, w = (int(v) for v in out["image_grid_thw"][0].tolist())
         return PreparedImage(
             index=index,

@@ -179,8 +179,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             # Counted here rather than by gRPC's own limit, so health probes and watches are never refused.
             self.metrics.requests.labels(code="RESOURCE_EXHAUSTED").inc()
             raise ResourceExhausted(
-                f"{self._calls.count} Encode calls in progress, the limit is {self.settings.max_concurrent_rpcs}"
-            )
+                f"{self._calls.count} Encode calls in progress, the limit is {self.settings.max_concurrent_rpcs}",
+                reason="ENCODER_CALLS_FULL", metadata={"limit": str(self.settings.max_concurrent_rpcs)})
         code = "OK"
         with self._calls.track():
             try:
@@ -207,8 +207,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         if len(images) > s.max_images_per_request:
             raise ResourceExhausted(
                 f"image {s.max_images_per_request}: the request has {len(images)} images, "
-                f"the limit is {s.max_images_per_request} per request"
-            )
+                f"the limit is {s.max_images_per_request} per request",
+                reason="TOO_MANY_IMAGES", metadata={"limit": str(s.max_images_per_request)})
         if 0 < request.max_chunk_bytes < MIN_CHUNK_BYTES:
             raise InvalidArgument(f"max_chunk_bytes {request.max_chunk_bytes} is below the minimum {MIN_CHUNK_BYTES}")
         # A caller's limit is a maximum: smaller chunks are always fine, larger ones than the node's are not sent.

@@ -26,13 +26,17 @@ class Admission:
     def admit(self, embedding_bytes: int) -> Iterator[None]:
         if self.requests >= self.max_requests:
             raise ResourceExhausted(f"{self.requests} requests in flight, the limit is {self.max_requests}; "
-                                    "retry later")
+                                    "retry later", reason="ADMISSION_REQUESTS",
+                                    metadata={"limit": str(self.max_requests)})
         if embedding_bytes > self.max_embedding_bytes:  # could never be admitted: the request's fault
             raise InvalidArgument(f"the request's images need {embedding_bytes} embedding bytes, more than the "
-                                    f"node's limit of {self.max_embedding_bytes}")
+                                  f"node's limit of {self.max_embedding_bytes}", reason="EMBEDDING_BYTES_OVER_LIMIT",
+                                  metadata={"limit": str(self.max_embedding_bytes)})
         if self.embedding_bytes + embedding_bytes > self.max_embedding_bytes:
             raise ResourceExhausted(f"{self.embedding_bytes} embedding bytes in flight; this request needs "
-                                    f"{embedding_bytes} more, the limit is {self.max_embedding_bytes}; retry later")
+                                    f"{embedding_bytes} more, the limit is {self.max_embedding_bytes}; retry later",
+                                    reason="ADMISSION_EMBEDDING_BYTES",
+                                    metadata={"limit": str(self.max_embedding_bytes)})
         self.requests += 1
         self.embedding_bytes += embedding_bytes
         try:

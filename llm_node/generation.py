@@ -65,9 +65,9 @@ def validate_images(images: Sequence[bytes], settings: LLMSettings) -> None:
         raise InvalidArgument(f"{len(images)} images in one request; the limit is {settings.max_images_per_request}")
     for i, im in enumerate(images):
         if not im:
-            raise InvalidArgument(f"image {i}: empty")
+            raise InvalidArgument.for_image(i, "empty")
         if len(im) > settings.max_image_bytes:
-            raise InvalidArgument(f"image {i}: {len(im)} bytes exceeds the limit {settings.max_image_bytes}")
+            raise InvalidArgument.for_image(i, f"{len(im)} bytes exceeds the limit {settings.max_image_bytes}")
 
 
 class GenerationService:

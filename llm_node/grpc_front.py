@@ -8,18 +8,18 @@ interceptor maps them to status codes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
 
 from encdis.client.errors import InvalidArgument
 from encdis.client.pb import llm_pb2, llm_pb2_grpc
-from encdis.llm_node.coordinator import Coordinator
+from encdis.llm_node.coordinator import Coordinator, EncoderStatus
 from encdis.llm_node.engine import SamplingSpec
 from encdis.llm_node.generation import GenerationRequest, GenerationService
 from encdis.llm_node.prompt import user_message
@@ -107,21 +107,6 @@ class GenerateServicer(llm_pb2_grpc.GenerateServiceServicer):
         return llm_pb2.ListEncodersResponse(encoders=[encoder_info(s) for s in self.coordinator.encoders()])
 
 
-def encoder_info(status: Any) -> llm_pb2.EncoderInfo:
+def encoder_info(status: EncoderStatus) -> llm_pb2.EncoderInfo:
     """The coordinator's view of one encoder, as the proto has it."""
-    def get(name: str, default: Any) -> Any:
-        v = getattr(status, name, default)
-        return default if v is None else v
-
-    state = get("state", "")
-    return llm_pb2.EncoderInfo(
-        address=str(get("address", "")),
-        state=str(getattr(state, "value", state)),
-        reason=str(get("reason", "")),
-        backlog_seconds=float(get("backlog_seconds", 0.0)),
-        backlog_patches=int(get("backlog_patches", 0)),
-        patches_per_second=float(get("patches_per_second", 0.0)),
-        assigned_patches=int(get("assigned_patches", 0)),
-        assigned_images=int(get("assigned_images", 0)),
-        name=str(get("name", "")),
-    )
+    return llm_pb2.EncoderInfo(**dataclasses.asdict(status))

@@ -62,7 +62,8 @@ def _error_for(e: Exception) -> HttpError:
     if isinstance(e, HttpError):
         return e
     if isinstance(e, InvalidArgument):
-        return HttpError(400, e.message)
+        # The field the details name (images[i]: the request's i-th image, in order of appearance).
+        return HttpError(400, e.message, param=e.violations[0].field if e.violations else None)
     if isinstance(e, ResourceExhausted):
         return HttpError(429, e.message, "RateLimitError")
     if isinstance(e, Unavailable):

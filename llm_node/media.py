@@ -23,21 +23,21 @@ _DATA_URI = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+
 def decode_data_uri(index: int, url: str, max_bytes: int) -> bytes:
     m = _DATA_URI.match(url)
     if m is None:
-        raise InvalidArgument(f"image {index}: malformed data URI")
+        raise InvalidArgument.for_image(index, "malformed data URI")
     mime = (m.group("mime") or "").lower()
     if not mime.startswith("image/"):
-        raise InvalidArgument(f"image {index}: data URI of type {mime or 'text/plain'!r} is not an image")
+        raise InvalidArgument.for_image(index, f"data URI of type {mime or 'text/plain'!r} is not an image")
     if not m.group("b64"):
-        raise InvalidArgument(f"image {index}: data URI must be base64-encoded")
+        raise InvalidArgument.for_image(index, "data URI must be base64-encoded")
     payload = url[m.end():]
     if len(payload) > (max_bytes + 2) // 3 * 4 + 4:
-        raise InvalidArgument(f"image {index}: more than the limit of {max_bytes} bytes")
+        raise InvalidArgument.for_image(index, f"more than the limit of {max_bytes} bytes")
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
-        raise InvalidArgument(f"image {index}: data URI is not valid base64") from None
+        raise InvalidArgument.for_image(index, "data URI is not valid base64") from None
     if not data:
-        raise InvalidArgument(f"image {index}: empty")
+        raise InvalidArgument.for_image(index, "empty")
     return data
 
 
@@ -45,10 +45,10 @@ async def fetch_url(index: int, url: str, *, allowed_domains: Sequence[str], max
                     timeout_seconds: float) -> bytes:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https"):
-        raise InvalidArgument(f"image {index}: unsupported URL scheme {parts.scheme!r} (data:, http or https)")
+        raise InvalidArgument.for_image(index, f"unsupported URL scheme {parts.scheme!r} (data:, http or https)")
     host = (parts.hostname or "").lower()
     if host not in {d.lower() for d in allowed_domains}:
-        raise InvalidArgument(f"image {index}: URL host {host!r} is not in --allowed-media-domains")
+        raise InvalidArgument.for_image(index, f"URL host {host!r} is not in --allowed-media-domains")
     import aiohttp
 
     try:
@@ -56,17 +56,17 @@ async def fetch_url(index: int, url: str, *, allowed_domains: Sequence[str], max
         async with aiohttp.ClientSession(timeout=timeout) as session, \
                 session.get(url, allow_redirects=False) as resp:
             if resp.status != 200:
-                raise InvalidArgument(f"image {index}: fetching the URL gave HTTP {resp.status}")
+                raise InvalidArgument.for_image(index, f"fetching the URL gave HTTP {resp.status}")
             if resp.content_length is not None and resp.content_length > max_bytes:
-                raise InvalidArgument(f"image {index}: {resp.content_length} bytes exceeds the limit {max_bytes}")
+                raise InvalidArgument.for_image(index, f"{resp.content_length} bytes exceeds the limit {max_bytes}")
             data = bytearray()
             async for chunk in resp.content.iter_chunked(1 << 16):
                 data += chunk
                 if len(data) > max_bytes:
-                    raise InvalidArgument(f"image {index}: more than the limit of {max_bytes} bytes")
+                    raise InvalidArgument.for_image(index, f"more than the limit of {max_bytes} bytes")
             return bytes(data)
     except (aiohttp.ClientError, TimeoutError) as e:
-        raise InvalidArgument(f"image {index}: fetching the URL failed ({type(e).__name__})") from None
+        raise InvalidArgument.for_image(index, f"fetching the URL failed ({type(e).__name__})") from None
 
 
 async def load_image_url(index: int, url: str, *, allowed_domains: Sequence[str], max_bytes: int,

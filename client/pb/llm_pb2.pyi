@@ -83,7 +83,7 @@ class ListEncodersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EncoderInfo(_message.Message):
-    __slots__ = ("address", "state", "reason", "backlog_seconds", "backlog_patches", "patches_per_second", "assigned_patches", "assigned_images", "name")
+    __slots__ = ("address", "state", "reason", "backlog_seconds", "backlog_patches", "patches_per_second", "assigned_patches", "assigned_images", "name", "backoff_seconds", "faults", "backoff_remaining_seconds")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,9 @@ class EncoderInfo(_message.Message):
     ASSIGNED_PATCHES_FIELD_NUMBER: _ClassVar[int]
     ASSIGNED_IMAGES_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    BACKOFF_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FAULTS_FIELD_NUMBER: _ClassVar[int]
+    BACKOFF_REMAINING_SECONDS_FIELD_NUMBER: _ClassVar[int]
     address: str
     state: str
     reason: str
@@ -102,7 +105,10 @@ class EncoderInfo(_message.Message):
     assigned_patches: int
     assigned_images: int
     name: str
-    def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., backlog_seconds: _Optional[float] = ..., backlog_patches: _Optional[int] = ..., patches_per_second: _Optional[float] = ..., assigned_patches: _Optional[int] = ..., assigned_images: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+    backoff_seconds: float
+    faults: int
+    backoff_remaining_seconds: float
+    def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., backlog_seconds: _Optional[float] = ..., backlog_patches: _Optional[int] = ..., patches_per_second: _Optional[float] = ..., assigned_patches: _Optional[int] = ..., assigned_images: _Optional[int] = ..., name: _Optional[str] = ..., backoff_seconds: _Optional[float] = ..., faults: _Optional[int] = ..., backoff_remaining_seconds: _Optional[float] = ...) -> None: ...
 
 class ListEncodersResponse(_message.Message):
     __slots__ = ("encoders",)

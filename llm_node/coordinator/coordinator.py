@@ -143,6 +143,7 @@ class Coordinator:
     def encoders(self) -> list[EncoderStatus]:
         if self.pool is None:
             return []
+        now = time.monotonic()
         return [
             EncoderStatus(
                 address=h.address, name=h.name, state=h.state.value, reason=h.reason,
@@ -151,6 +152,7 @@ class Coordinator:
                 assigned_images=h.assigned_images,
                 backoff_seconds=h.penalty.seconds if h.penalty else 0.0,
                 faults=h.penalty.faults if h.penalty else 0,
+                backoff_remaining_seconds=max(0.0, h.penalty.until - now) if h.penalty else 0.0,
             )
             for h in self.pool.encoders()
         ]
@@ -201,7 +203,7 @@ class Coordinator:
                 except ClaimAbandoned:
                     todo.append(i)  # its encoder request went away: encode it ourselves
                 except InvalidArgument as e:
-                    raise InvalidArgument(f"image {i}: {e.message}") from None
+                    raise InvalidArgument.for_image(i, e.message, reason=e.reason) from None
         self.metrics.cache_bytes.set(self.cache.size_bytes)
         return EncodeResult(
             images=[r for r in results if r is not None],
@@ -224,7 +226,7 @@ class Coordinator:
                 t, h, w = self._header_grid(read_header(bytes(img)))
                 tokens.append(t * h * w // self.identity.merge_size ** 2)
             except ValueError as e:
-                raise InvalidArgument(f"image {i}: {e}") from None
+                raise InvalidArgument.for_image(i, str(e)) from None
         return tokens
 
     def _header_grid(self, header: ImageHeader) -> tuple[int, int, int]:
@@ -252,7 +254,7 @@ class Coordinator:
             try:
                 grids.append(self._header_grid(read_header(data)))
             except ValueError as e:
-                raise InvalidArgument(f"image {i}: {e}") from None
+                raise InvalidArgument.for_image(i, str(e)) from None
             digests.append(content_digest(data, ident.min_pixels, ident.max_pixels, self.weights_fingerprint,
                                           ident.image_loader, ident.datatype))
         return digests, grids
@@ -267,8 +269,8 @@ class Coordinator:
         except BaseException as e:
             for job in remaining.values():
                 # The image that was bad is bad for everyone; the others are not: waiters retry them.
-                if isinstance(e, InvalidArgument) and getattr(e, "bad_index", None) == job.index:
-                    self.cache.fail(job.digest, InvalidArgument(getattr(e, "bare_reason", e.message)))
+                if isinstance(e, InvalidArgument) and e.image_index == job.index:
+                    self.cache.fail(job.digest, InvalidArgument(e.image_reason or e.message, reason=e.reason))
                 else:
                     self.cache.fail(job.digest, ClaimAbandoned())
             raise

@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import logging
 import random
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -60,8 +59,6 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
-
-_IMAGE_INDEX = re.compile(r"\bimage (\d+)")
 
 
 @dataclass
@@ -348,16 +345,12 @@ def _check_deadline(deadline: float | None, remaining: dict[int, PendingImage], 
 
 
 def _request_numbering(e: InvalidArgument, jobs: list[PendingImage]) -> InvalidArgument:
-    """The encoder's 'image <call index>: reason' renumbered to the request's image index."""
-    m = _IMAGE_INDEX.search(e.message)
-    if m is not None and int(m.group(1)) < len(jobs):
-        job = jobs[int(m.group(1))]
-        reason = (e.message[:m.start()] + e.message[m.end():]).lstrip(":; ").strip() or e.message
-        out = InvalidArgument(f"image {job.index}: {reason}")
-        out.bad_index, out.bare_reason = job.index, reason  # type: ignore[attr-defined]
-        return out
+    """The encoder's error about image <call index> (its BadRequest details) renumbered to the
+    request's image index; an encoder that names no image is taken at its word only for a
+    one-image call."""
+    local = e.image_index
+    if local is not None and local < len(jobs):
+        return InvalidArgument.for_image(jobs[local].index, e.image_reason or e.message, reason=e.reason)
     if len(jobs) == 1:
-        out = InvalidArgument(f"image {jobs[0].index}: {e.message}")
-        out.bad_index, out.bare_reason = jobs[0].index, e.message  # type: ignore[attr-defined]
-        return out
-    return InvalidArgument(f"one of images {[j.index for j in jobs]}: {e.message}")
+        return InvalidArgument.for_image(jobs[0].index, e.message, reason=e.reason)
+    return InvalidArgument(f"one of images {[j.index for j in jobs]}: {e.message}", reason=e.reason)

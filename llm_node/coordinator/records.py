@@ -61,3 +61,4 @@ class EncoderStatus:
     assigned_images: int
     backoff_seconds: float = 0.0  # length of its current penalty (quarantined, slow); 0 when none
     faults: int = 0  # consecutive faults behind that penalty
+    backoff_remaining_seconds: float = 0.0  # until it is probed again; 0 when none or probing

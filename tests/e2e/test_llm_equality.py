@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from encdis.client import AsyncGenerateClient, GenerateClient, InvalidArgument
+from encdis.client.errors import IMAGE_INVALID
 from tests.e2e.conftest import concurrent_cases
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
@@ -98,8 +99,9 @@ def test_generate_command_json_equals_monolithic(monolithic, llm_node, equality_
 def test_bad_image_is_invalid_argument_naming_it_and_the_node_keeps_serving(monolithic, llm_node, equality_cases):
     case = equality_cases["one_image"]
     with GenerateClient(llm_node.address, timeout=120) as client:
-        with pytest.raises(InvalidArgument, match="image 1"):
+        with pytest.raises(InvalidArgument, match="image 1") as info:
             client.generate("Describe.", [case.images[0], b"this is not an image"], max_tokens=4)
+        assert (info.value.image_index, info.value.reason) == (1, IMAGE_INVALID)  # details reach SDK callers
         with pytest.raises(InvalidArgument, match="max_tokens"):
             client.generate("Describe.", [], max_tokens=10**6)
     assert generate_ids(llm_node.address, case) == monolithic["one_image"]

@@ -25,7 +25,7 @@ from PIL import Image
 from prometheus_client import CollectorRegistry
 
 from encdis.client.encoder_client import EncoderClient
-from encdis.client.errors import InvalidArgument, Unavailable
+from encdis.client.errors import IMAGE_INVALID, InvalidArgument, Unavailable
 from encdis.client.wire import content_digest
 from encdis.launcher import NodeProcess
 from encdis.llm_node.coordinator.coordinator import Coordinator
@@ -247,6 +247,9 @@ async def test_bad_image_fails_naming_its_index_in_the_request(pair, tiny_ckpt) 
         with pytest.raises(InvalidArgument) as info:
             await coord.encode([good, png(90, 90, seed=13), truncated])
         assert info.value.message.startswith("image 2: "), info.value.message
+        # Found by the encoder (the header parsed), renumbered from its details, not its text.
+        assert (info.value.image_index, info.value.reason) == (2, IMAGE_INVALID)
+        assert "decode" in info.value.image_reason
         # The node keeps serving other requests.
         assert len((await coord.encode([png(70, 70, seed=14)])).images) == 1
 

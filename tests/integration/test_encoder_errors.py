@@ -12,6 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from encdis.client import EncoderClient, InvalidArgument, ResourceExhausted, Unavailable
+from encdis.client.errors import IMAGE_INVALID, FieldViolation
 from encdis.encoder_node.settings import EncoderSettings
 from tests import encoder_images as images
 from tests.encoder_inproc import InProcessEncoder
@@ -65,6 +66,9 @@ def test_bad_image_names_its_index_and_reason_and_the_node_keeps_serving(case, n
         client.encode([GOOD, data, GOOD])
     assert re.match(rf"image 1: .*({reason})", info.value.message), info.value.message
     assert info.value.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
+    # The same, as data: gRPC's rich error details (ErrorInfo + BadRequest), no text to parse.
+    assert (info.value.reason, info.value.image_index) == (IMAGE_INVALID, 1)
+    assert info.value.violations == (FieldViolation("images[1]", info.value.message.removeprefix("image 1: ")),)
     assert _health(node.address) == health_pb2.HealthCheckResponse.SERVING
     (emb,) = client.encode([GOOD])
     assert emb.shape[0] > 0
@@ -72,8 +76,9 @@ def test_bad_image_names_its_index_and_reason_and_the_node_keeps_serving(case, n
 
 
 def test_too_many_images_is_resource_exhausted_naming_the_first_one_over(node, client):
-    with pytest.raises(ResourceExhausted, match=r"image 4: the request has 5 images, the limit is 4"):
+    with pytest.raises(ResourceExhausted, match=r"image 4: the request has 5 images, the limit is 4") as info:
         client.encode([GOOD] * 5)
+    assert (info.value.reason, info.value.metadata) == ("TOO_MANY_IMAGES", {"limit": "4"})
     assert _health(node.address) == health_pb2.HealthCheckResponse.SERVING
     assert len(client.encode([GOOD] * 4)) == 4
 

@@ -103,6 +103,8 @@ async def test_a_misbehaving_encoder_is_quarantined_and_the_request_served_by_a_
         assert bad.backoff_seconds == 60.0 and bad.faults == 1
         shown = encoder_info(bad)  # what ListEncoders answers
         assert shown.state == "quarantined" and named in shown.reason
+        assert (shown.backoff_seconds, shown.faults) == (60.0, 1)
+        assert 0.0 < shown.backoff_remaining_seconds <= 60.0
         assert status(coord, real.address).state == "serving"
         assert metric(coord.registry, "encdis_coordinator_encoder_faults_total",
                       encoder=fake.address, kind="bad_embedding") >= 1
