@@ -10,7 +10,8 @@ as a context manager. Subclasses make their stubs in `_bind`, called once the ch
 
 from __future__ import annotations
 
-from typing import TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import grpc
 
@@ -20,14 +21,20 @@ C = TypeVar("C", bound="_ClientBase")
 
 
 class _ClientBase:
-    def __init__(self, target: str, *, timeout: float | None, tls: bool, root_certificates: bytes | None,
-                 certificate_chain: bytes | None, private_key: bytes | None, api_key: str | None,
-                 server_name: str | None, channel_given: bool) -> None:
+    _open: Callable[..., Any]  # open_channel or open_aio_channel
+
+    def __init__(self, target: str, *, timeout: float | None = None,
+                 channel: grpc.Channel | grpc.aio.Channel | None = None, tls: bool = False,
+                 root_certificates: bytes | None = None, certificate_chain: bytes | None = None,
+                 private_key: bytes | None = None, api_key: str | None = None,
+                 server_name: str | None = None) -> None:
         self.target = target
         self.timeout = timeout
-        self._security = ChannelSecurity(tls, root_certificates, certificate_chain, private_key, api_key, server_name)
-        if channel_given and self._security != ChannelSecurity():
+        security = ChannelSecurity(tls, root_certificates, certificate_chain, private_key, api_key, server_name)
+        if channel is not None and security != ChannelSecurity():
             raise ValueError("give either a channel or TLS / API key options, not both")
+        self._channel = channel or type(self)._open(target, CHANNEL_OPTIONS, security)
+        self._bind()
 
     def _bind(self) -> None:
         """Make the stubs on self._channel."""
@@ -35,17 +42,9 @@ class _ClientBase:
 
 
 class SyncClient(_ClientBase):
-    """A blocking client of one node."""
+    """A blocking client of one node (give it a grpc.Channel, or options to open one)."""
 
-    def __init__(self, target: str, *, timeout: float | None = None, channel: grpc.Channel | None = None,
-                 tls: bool = False, root_certificates: bytes | None = None,
-                 certificate_chain: bytes | None = None, private_key: bytes | None = None,
-                 api_key: str | None = None, server_name: str | None = None) -> None:
-        super().__init__(target, timeout=timeout, tls=tls, root_certificates=root_certificates,
-                         certificate_chain=certificate_chain, private_key=private_key, api_key=api_key,
-                         server_name=server_name, channel_given=channel is not None)
-        self._channel = channel or open_channel(target, CHANNEL_OPTIONS, self._security)
-        self._bind()
+    _open = staticmethod(open_channel)
 
     def close(self) -> None:
         self._channel.close()
@@ -58,17 +57,9 @@ class SyncClient(_ClientBase):
 
 
 class AsyncClient(_ClientBase):
-    """An asyncio client of one node."""
+    """An asyncio client of one node (give it a grpc.aio.Channel, or options to open one)."""
 
-    def __init__(self, target: str, *, timeout: float | None = None, channel: grpc.aio.Channel | None = None,
-                 tls: bool = False, root_certificates: bytes | None = None,
-                 certificate_chain: bytes | None = None, private_key: bytes | None = None,
-                 api_key: str | None = None, server_name: str | None = None) -> None:
-        super().__init__(target, timeout=timeout, tls=tls, root_certificates=root_certificates,
-                         certificate_chain=certificate_chain, private_key=private_key, api_key=api_key,
-                         server_name=server_name, channel_given=channel is not None)
-        self._channel = channel or open_aio_channel(target, CHANNEL_OPTIONS, self._security)
-        self._bind()
+    _open = staticmethod(open_aio_channel)
 
     async def close(self) -> None:
         await self._channel.close()
