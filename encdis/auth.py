@@ -2,12 +2,16 @@
 
 - ApiKeys: the accepted keys, from --api-key-file (one key per line, `#` comments; re-read
   when the file changes, so keys rotate without a restart: list old and new, then drop the
-  old) or from the ENCDIS_API_KEY variable (one key, never on a command line). `problem()`
-  says what is wrong with an authorization value, without echoing it. Keys are compared as
-  SHA-256 digests with hmac.compare_digest, against every key, so neither a key's bytes
-  nor its length shows in the timing.
+  old) or from the ENCDIS_API_KEY variable (one key, never on a command line; taken out of
+  the environment once read, so the engine's and reaper's children never inherit it). The
+  file's change check (a stat) runs at most once a second, not on every request, and a read
+  during which the file changed is retried, so a half-written file is never taken as the
+  key list. `problem()` says what is wrong with an authorization value, without echoing
+  it. Keys are compared as SHA-256 digests with hmac.compare_digest, against every key, so
+  neither a key's bytes nor its length shows in the timing.
 - ApiKeyInterceptor: a grpc.aio server interceptor refusing encdis's own methods
-  (`/encdis.*`) without a valid key: UNAUTHENTICATED. Health (grpc.health.v1) and
+  (`/encdis.*`) without a valid key: UNAUTHENTICATED, decided from the metadata alone, so
+  a refused call's request message is never read or parsed. Health (grpc.health.v1) and
   reflection stay open: load balancers and probes carry no key.
 - HttpApiKeyMiddleware: the same check as plain ASGI middleware for the HTTP front door,
   answering 401 with the body the front door gives (OpenAI's error object); open paths
@@ -21,7 +25,8 @@ import hmac
 import json
 import logging
 import os
-from collections.abc import Callable, Collection, Mapping
+import time
+from collections.abc import Callable, Collection, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +38,21 @@ log = logging.getLogger(__name__)
 
 API_KEY_ENV = "ENCDIS_API_KEY"
 PROTECTED_PREFIX = "/encdis."
+# How often the key file's stat is checked for a change: requests between two checks use the
+# keys as they are (a rotation lists old and new keys, so a second's lag refuses no one).
+CHECK_INTERVAL_SECONDS = 1.0
+READ_ATTEMPTS = 3
+
+
+def take_secret(variable: str, environ: MutableMapping[str, str] | None = None) -> str | None:
+    """The value of `variable` in `environ` (default os.environ), removed from it: processes
+    started later (vLLM's engine core, the reaper) do not inherit it. None when unset or empty."""
+    env = os.environ if environ is None else environ
+    return env.pop(variable, None) or None
+
+
+def _stamp(stat: os.stat_result) -> tuple[int, int, int]:
+    return (stat.st_mtime_ns, stat.st_size, stat.st_ino)
 
 
 def _digest(key: str) -> bytes:
@@ -42,9 +62,12 @@ def _digest(key: str) -> bytes:
 class ApiKeys:
     """The keys a node accepts; a file's keys follow the file."""
 
-    def __init__(self, keys: Collection[str] = (), path: Path | None = None) -> None:
+    def __init__(self, keys: Collection[str] = (), path: Path | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.path = path
+        self._clock = clock
         self._stamp: tuple | None = None
+        self._checked_at = clock()
         self._digests: list[bytes] = [_digest(k) for k in keys]
         if path is not None:
             self._digests = self._read()  # a bad file at startup is an error naming it
@@ -52,11 +75,11 @@ class ApiKeys:
             raise ValueError("no API key given")
 
     @classmethod
-    def configured(cls, key_file: Path | None, environ: Mapping[str, str] | None = None,
+    def configured(cls, key_file: Path | None, environ: MutableMapping[str, str] | None = None,
                    variable: str = API_KEY_ENV, flag: str = "--api-key-file") -> ApiKeys | None:
-        """The keys from `key_file` or the `variable` in `environ`; None when neither is set (no check)."""
-        env = os.environ if environ is None else environ
-        inline = env.get(variable) or None
+        """The keys from `key_file` or the `variable` in `environ` (taken out of it); None when
+        neither is set (no check)."""
+        inline = take_secret(variable, environ)
         if key_file is not None and inline is not None:
             raise ValueError(f"set {flag} or {variable}, not both")
         if key_file is not None:
@@ -69,13 +92,21 @@ class ApiKeys:
             return cls([inline.strip()])
         return None
 
-    def _read(self) -> list[bytes]:
+    def _read_whole(self) -> tuple[str, tuple[int, int, int]]:
+        """The file's text and stamp, from a read during which its stat did not change (as TLS reload)."""
         assert self.path is not None
         try:
-            stat = os.stat(self.path)
-            text = self.path.read_text(encoding="utf-8")
+            for _ in range(READ_ATTEMPTS):
+                before = _stamp(os.stat(self.path))
+                text = self.path.read_text(encoding="utf-8")
+                if _stamp(os.stat(self.path)) == before:
+                    return text, before
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"cannot read API key file {self.path}: {e}") from None
+        raise ValueError(f"API key file {self.path} kept changing while being read")
+
+    def _read(self) -> list[bytes]:
+        text, stamp = self._read_whole()
         keys = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
         for k in keys:
             try:
@@ -84,24 +115,28 @@ class ApiKeys:
                 raise ValueError(f"API key file {self.path}: {e}") from None
         if not keys:
             raise ValueError(f"API key file {self.path} holds no key")
-        self._stamp = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+        self._stamp = stamp
         return [_digest(k) for k in keys]
 
     def _refresh(self) -> None:
         if self.path is None:
             return
+        now = self._clock()
+        if now - self._checked_at < CHECK_INTERVAL_SECONDS:
+            return
+        self._checked_at = now
         try:
             st = os.stat(self.path)
         except OSError:
             return  # mid-rotation: keep the keys we have
-        if (st.st_mtime_ns, st.st_size, st.st_ino) == self._stamp:
+        if _stamp(st) == self._stamp:
             return
         try:
             self._digests = self._read()
             log.info("API keys reloaded from %s (%d keys)", self.path, len(self._digests))
         except ValueError as e:
             log.warning("API key file changed but cannot be used; keeping the current keys: %s", e)
-            self._stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+            self._stamp = _stamp(st)
 
     def problem(self, authorization: str | None) -> str | None:
         """None if `authorization` ("Bearer KEY") carries an accepted key, else why not."""
@@ -125,6 +160,22 @@ def _authorization(metadata: Any) -> str | None:
     return None
 
 
+def _never_parsed(data: bytes) -> None:
+    raise AssertionError("a refused call's request is never parsed")  # the refusal reads no message
+
+
+def _refusal(handler: grpc.RpcMethodHandler, problem: str) -> grpc.RpcMethodHandler:
+    """A handler answering UNAUTHENTICATED at once. It takes the request as a stream it never
+    reads (the client cannot tell: the wire is the same), so the body is neither received
+    against the message limit nor deserialised."""
+
+    async def refuse(request_iterator, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
+
+    make = grpc.stream_stream_rpc_method_handler if handler.response_streaming else grpc.stream_unary_rpc_method_handler
+    return make(refuse, request_deserializer=_never_parsed, response_serializer=handler.response_serializer)
+
+
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Refuses `/encdis.*` calls without an accepted key (UNAUTHENTICATED); other services pass."""
 
@@ -139,14 +190,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         problem = self.keys.problem(_authorization(handler_call_details.invocation_metadata))
         if problem is None:
             return handler
-
-        async def refuse(request_or_iterator, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
-
         log.info("%s refused: %s", method, problem)
-        kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
-                    if getattr(handler, k) is not None)
-        return handler._replace(**{kind: refuse})
+        return _refusal(handler, problem)
 
 
 def interceptors(keys: ApiKeys | None) -> list[grpc.aio.ServerInterceptor]:

@@ -12,12 +12,12 @@ client certificate reaches the encoders after a restart.
 from __future__ import annotations
 
 import dataclasses
-import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, MutableMapping
 from typing import Any
 
 import grpc
 
+from encdis.auth import take_secret
 from encdis.client.channels import ChannelSecurity, open_aio_channel, read_api_key_file
 
 from .discovery import is_ip_literal, split_host_port
@@ -27,11 +27,11 @@ ENCODER_API_KEY_ENV = "ENCDIS_ENCODER_API_KEY"
 
 
 def encoder_channel_security(settings: CoordinatorSettings,
-                             environ: Mapping[str, str] | None = None) -> ChannelSecurity | None:
-    """What the settings (--encoder-tls-*, --encoder-api-key-file) ask for; None: plaintext, no key."""
-    env = os.environ if environ is None else environ
+                             environ: MutableMapping[str, str] | None = None) -> ChannelSecurity | None:
+    """What the settings (--encoder-tls-*, --encoder-api-key-file) ask for; None: plaintext, no key.
+    ENCDIS_ENCODER_API_KEY is taken out of `environ` (default os.environ) once read."""
     key_file = settings.encoder_api_key_file
-    inline = env.get(ENCODER_API_KEY_ENV) or None
+    inline = take_secret(ENCODER_API_KEY_ENV, environ)
     if key_file is not None and inline is not None:
         raise ValueError(f"set --encoder-api-key-file or {ENCODER_API_KEY_ENV}, not both")
     api_key = read_api_key_file(key_file) if key_file is not None else (inline.strip() if inline else None)
