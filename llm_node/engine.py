@@ -13,12 +13,15 @@ one set of engine arguments for both, so the only difference is where the tower 
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from encdis.client.errors import InvalidArgument, Unavailable
@@ -118,9 +121,18 @@ def engine_kwargs(settings: LLMSettings, *, tower: bool, max_images: int = 16) -
         kw["gpu_memory_utilization"] = settings.gpu_memory_utilization
     if tower:
         kw["limit_mm_per_prompt"] = {"image": max_images, "video": 0}
+        heads = vision_heads(settings.model)
+        if heads is not None and heads % settings.tp:
+            # What `vllm serve` needs for such a checkpoint: the tower replicated per rank.
+            kw["mm_encoder_tp_mode"] = "data"
     else:
         kw["limit_mm_per_prompt"] = {"image": 0, "video": 0}
         kw["enable_mm_embeds"] = True
+        # vLLM still builds the (weightless) tower's modules and, in "weights" mode, asserts
+        # that its heads divide by the TP size; the node never runs the tower, so any
+        # checkpoint must start at any TP.
+        kw["mm_encoder_tp_mode"] = "data"
+        kw["mm_processor_cache_gb"] = settings.mm_processor_cache_gb
         ipc = settings.mm_tensor_ipc
         if ipc == "auto":
             # torch_shm hands tensors to the engine core through shared memory instead of
@@ -128,6 +140,15 @@ def engine_kwargs(settings: LLMSettings, *, tower: bool, max_images: int = 16) -
             ipc = "torch_shm" if settings.tp == 1 else "direct_rpc"
         kw["mm_tensor_ipc"] = ipc
     return kw
+
+
+def vision_heads(model: str) -> int | None:
+    """The checkpoint's vision attention heads (None where config.json does not say)."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+        return int(config["vision_config"]["num_heads"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def prepare_environment(settings: LLMSettings, kwargs: dict[str, Any]) -> None:
@@ -144,10 +165,13 @@ def prepare_environment(settings: LLMSettings, kwargs: dict[str, Any]) -> None:
 
 
 def embeds_mm_data(images: Sequence[ImageEmbedding]) -> tuple[dict[str, Any], dict[str, list[str]]]:
-    """multi_modal_data and multi_modal_uuids for images in prompt order."""
+    """multi_modal_data and multi_modal_uuids for images in prompt order.
+
+    One image's tensor goes in as it is; several are concatenated (vLLM splits them back by
+    grid), a copy of every byte, so callers run it off the event loop."""
     import torch
 
-    embeds = torch.cat([im.embeds for im in images], dim=0)
+    embeds = images[0].embeds if len(images) == 1 else torch.cat([im.embeds for im in images], dim=0)
     grid = torch.tensor([list(im.grid_thw) for im in images], dtype=torch.int64)
     return ({"image": {"image_embeds": embeds, "image_grid_thw": grid}},
             {"image": [im.digest for im in images]})
@@ -196,8 +220,11 @@ class EngineHost:
     ) -> AsyncIterator[GenerationDelta]:
         """Stream a completion. Node: `images` (embeddings). Reference: `raw_images` (PIL)."""
         inputs: dict[str, Any] = {"prompt": prompt}
-        if images:
+        if len(images) == 1:
             mm, uuids = embeds_mm_data(images)
+        elif images:
+            mm, uuids = await asyncio.to_thread(embeds_mm_data, images)
+        if images:
             inputs["multi_modal_data"] = mm
             inputs["multi_modal_uuids"] = uuids
         elif raw_images:

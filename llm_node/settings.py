@@ -38,6 +38,9 @@ class LLMSettings:
     kv_cache_gib: float = 1.0  # CPU only: VLLM_CPU_KVCACHE_SPACE when not already set
     gpu_memory_utilization: float = 0.9
     mm_tensor_ipc: str = "auto"  # "auto": torch_shm when tp == 1, else direct_rpc
+    # vLLM's own multimodal cache would hold a second copy of embeddings the coordinator's cache
+    # already keeps: off unless asked for, so the node's memory is what --cache-bytes says.
+    mm_processor_cache_gb: float = 0.0
     max_images_per_request: int = 16
     max_image_bytes: int = 32 * 1024 * 1024
     http_port: int = -1  # OpenAI-compatible HTTP front door; -1 disables, 0 binds an ephemeral port
@@ -66,6 +69,8 @@ class LLMSettings:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.mm_tensor_ipc not in MM_TENSOR_IPC:
             raise ValueError(f"--mm-tensor-ipc must be one of {MM_TENSOR_IPC}, got {self.mm_tensor_ipc!r}")
+        if self.mm_processor_cache_gb < 0:
+            raise ValueError(f"--mm-processor-cache-gb must be >= 0, got {self.mm_processor_cache_gb}")
         if self.port < 0:
             raise ValueError(f"--port must be >= 0, got {self.port}")
         if self.max_concurrent_requests < 1 or self.max_inflight_embedding_bytes < 1:
@@ -87,6 +92,8 @@ _HELP = {
     "kv_cache_gib": "CPU KV cache GiB (VLLM_CPU_KVCACHE_SPACE if unset)",
     "gpu_memory_utilization": "vLLM gpu_memory_utilization",
     "mm_tensor_ipc": f"how embeddings reach vLLM's engine, one of {', '.join(MM_TENSOR_IPC)}",
+    "mm_processor_cache_gb": "GiB of vLLM's multimodal processor cache (embeddings already sent to the "
+                             "engine); 0: none, the coordinator's --cache-bytes is the node's embedding cache",
     "max_images_per_request": "images allowed in one request",
     "max_image_bytes": "largest encoded image accepted",
     "http_port": "OpenAI-compatible HTTP port (/v1/chat/completions, /v1/models, /health); -1 disables, 0 ephemeral",

@@ -33,11 +33,20 @@ def test_engine_arguments_leave_the_tower_out(tiny_ckpt: Path):
     assert node["tensor_parallel_size"] == 1
     assert node["mm_tensor_ipc"] == "torch_shm"  # tp == 1: embeddings cross to the engine without serialising
     assert engine_kwargs(LLMSettings(model=str(tiny_ckpt), tp=2), tower=False)["mm_tensor_ipc"] == "direct_rpc"
+    # The weightless tower's heads never constrain the node's TP; vLLM keeps no second copy of
+    # the embeddings the coordinator caches unless asked.
+    assert node["mm_encoder_tp_mode"] == "data" and node["mm_processor_cache_gb"] == 0
+    assert engine_kwargs(LLMSettings(model=str(tiny_ckpt), mm_processor_cache_gb=2), tower=False)[
+        "mm_processor_cache_gb"] == 2
     reference = engine_kwargs(s, tower=True, max_images=3)
     assert reference["limit_mm_per_prompt"] == {"image": 3, "video": 0}
     assert "enable_mm_embeds" not in reference
+    # The reference is `vllm serve` with its defaults: 2 heads divide TP 2, so no encoder TP mode.
+    assert "mm_encoder_tp_mode" not in engine_kwargs(LLMSettings(model=str(tiny_ckpt), tp=2), tower=True)
+    assert "mm_processor_cache_gb" not in reference
     # Everything else is the same engine: the only difference is where the tower runs.
-    same = set(node) - {"limit_mm_per_prompt", "enable_mm_embeds", "mm_tensor_ipc"}
+    same = set(node) - {"limit_mm_per_prompt", "enable_mm_embeds", "mm_tensor_ipc", "mm_encoder_tp_mode",
+                        "mm_processor_cache_gb"}
     assert {k: node[k] for k in same} == {k: reference[k] for k in same}
 
 

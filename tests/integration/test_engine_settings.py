@@ -39,7 +39,7 @@ def test_defaults_disable_metrics_and_run_one_rank():
 
 
 @pytest.mark.parametrize("argv", [["--tp", "0"], ["--dtype", "int3"], ["--mm-tensor-ipc", "carrier-pigeon"],
-                                  ["--max-retries", "-1"]])
+                                  ["--max-retries", "-1"], ["--mm-processor-cache-gb", "-1"]])
 def test_bad_values_are_refused(argv):
     with pytest.raises(ValueError):
         parse(["--model", "/m", *argv])
