@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from encdis.client.errors import InvalidArgument, Unavailable
-from encdis.llm_node.admission import Admission
+from encdis.llm_node.admission import Admission, Slot
 from encdis.llm_node.coordinator import Coordinator, ImageEmbedding
 from encdis.llm_node.engine import EngineHost, SamplingSpec
 from encdis.llm_node.metrics import LLMNodeMetrics
@@ -37,6 +37,8 @@ class GenerationRequest:
     sampling: SamplingSpec
     request_id: str
     deadline: float | None = None  # time.monotonic() seconds the caller waits until (gRPC's deadline)
+    # The admission slot the front door took before reading the request (None: generate takes one).
+    slot: Slot | None = None
 
 
 @dataclass(frozen=True)
@@ -89,14 +91,18 @@ class GenerationService:
         return await self._calls.wait_idle(timeout)
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[Step]:
-        """The request's steps; errors are encdis.client.errors exceptions."""
+        """The request's steps; errors are encdis.client.errors exceptions. The request's
+        admission slot (`req.slot`, or one taken here first) is released when it ends."""
         if self.draining:
+            if req.slot is not None:
+                req.slot.release()
             raise Unavailable("the LLM node is draining; send the request to another node")
         code = "OK"
         with self._calls.track():
             try:
-                async for step in self._generate(req):
-                    yield step
+                with req.slot or self.admission.take() as slot:
+                    async for step in self._generate(req, slot):
+                        yield step
             except (asyncio.CancelledError, GeneratorExit):
                 code = "CANCELLED"
                 raise
@@ -104,47 +110,61 @@ class GenerationService:
                 code = getattr(getattr(e, "code", None), "name", "INTERNAL")
                 raise
             finally:
+                if req.slot is not None:
+                    req.slot.release()  # also when the generator is closed before it started
                 self.metrics.requests.labels(code).inc()
 
-    async def _generate(self, req: GenerationRequest) -> AsyncIterator[Step]:
+    async def _generate(self, req: GenerationRequest, slot: Slot) -> AsyncIterator[Step]:
         t_start = time.monotonic()
         images = list(req.images)
         validate_images(images, self.settings)
-        # Cheap checks before expensive work: the image tokens from the headers, the prompt's
-        # length with them against the context, the bytes the embeddings will take.
-        image_tokens = self.coordinator.image_tokens(images) if images else []
-        prompt = self.renderer.render_messages(req.messages)
-        sampling = self._fit_to_context(prompt, image_tokens, req.sampling)
-        embedding_bytes = sum(image_tokens) * self.coordinator.hidden_size * MAX_ITEMSIZE
-        with self.admission.admit(embedding_bytes):
-            self.metrics.images.inc(len(images))
-            embedded: list[ImageEmbedding] = []
-            queue_s = encode_s = transfer_s = 0.0
-            cached = 0
-            if images:
-                result = await self.coordinator.encode(images, deadline=req.deadline)
-                embedded = result.images
-                cached = sum(result.cached)
-                queue_s, encode_s, transfer_s = result.queue_seconds, result.encode_seconds, result.transfer_seconds
-            async for step in self._run_engine(prompt, sampling, embedded, req.request_id, cached,
-                                               t_start, (queue_s, encode_s, transfer_s)):
-                yield step
+        # Cheap checks before expensive work, off the event loop (megabytes of prompt or image
+        # headers take milliseconds each): the image grids from the headers, the prompt's
+        # length with them against the context, then the bytes the embeddings will take.
+        grids, prompt, sampling = await asyncio.to_thread(self._prepare, images, req.messages, req.sampling)
+        image_tokens = [self.coordinator.grid_tokens(g) for g in grids]
+        slot.reserve(sum(image_tokens) * self.coordinator.hidden_size * MAX_ITEMSIZE)
+        self.metrics.images.inc(len(images))
+        embedded: list[ImageEmbedding] = []
+        queue_s = encode_s = transfer_s = 0.0
+        cached = 0
+        if images:
+            result = await self.coordinator.encode(images, deadline=req.deadline, grids=grids)
+            embedded = result.images
+            cached = sum(result.cached)
+            queue_s, encode_s, transfer_s = result.queue_seconds, result.encode_seconds, result.transfer_seconds
+        async for step in self._run_engine(prompt, sampling, embedded, req.request_id, cached,
+                                           t_start, (queue_s, encode_s, transfer_s)):
+            yield step
 
-    def _fit_to_context(self, prompt: str, image_tokens: list[int], sampling: SamplingSpec) -> SamplingSpec:
-        """`sampling` with max_tokens set (default: what the context leaves, as `vllm serve` does);
-        InvalidArgument when the prompt with its images and max_tokens cannot fit."""
+    def _prepare(self, images: list[bytes], messages: list[dict[str, Any]],
+                 sampling: SamplingSpec) -> tuple[list[tuple[int, int, int]], str, SamplingSpec]:
+        """The images' grids, the prompt, and `sampling` fitted to the context (see _fit_to_context).
+        Blocking: run it in a worker thread."""
+        grids = self.coordinator.image_grids(images) if images else []
         # Each image's one placeholder token expands to its embedding's rows.
-        placeholder_len = len(self.renderer.tokenizer(prompt, add_special_tokens=False).input_ids)
-        prompt_len = placeholder_len + sum(image_tokens) - len(image_tokens)
+        expansion = sum(self.coordinator.grid_tokens(g) for g in grids) - len(grids)
+        prompt = self.renderer.render_messages(messages)
+        # A lower bound from the prompt's bytes first: a prompt far too long is never tokenised.
+        self._fit_to_context(self.renderer.min_tokens(prompt) + expansion, sampling, at_least=True)
+        return grids, prompt, self._fit_to_context(self.renderer.count_tokens(prompt) + expansion, sampling)
+
+    def _fit_to_context(self, prompt_len: int, sampling: SamplingSpec, *, at_least: bool = False) -> SamplingSpec:
+        """`sampling` with max_tokens set (default: what the context leaves, as `vllm serve` does);
+        InvalidArgument when a prompt of `prompt_len` tokens (with its images; `at_least`: a lower
+        bound of that) and max_tokens cannot fit."""
         limit = self.settings.max_model_len
         left = limit - prompt_len
+        length = f"at least {prompt_len}" if at_least else f"{prompt_len}"
         if left <= 0:
-            raise InvalidArgument(f"the prompt is {prompt_len} tokens with its images; the context length is {limit}")
+            raise InvalidArgument(f"the prompt is {length} tokens with its images; the context length is {limit}",
+                                  reason="PROMPT_TOO_LONG", metadata={"context_length": str(limit)})
         if sampling.max_tokens is None:
             return dataclasses.replace(sampling, max_tokens=left)
         if sampling.max_tokens > left:
-            raise InvalidArgument(f"the prompt is {prompt_len} tokens with its images and max_tokens is "
-                                  f"{sampling.max_tokens}: more than the context length {limit}")
+            raise InvalidArgument(f"the prompt is {length} tokens with its images and max_tokens is "
+                                  f"{sampling.max_tokens}: more than the context length {limit}",
+                                  reason="PROMPT_TOO_LONG", metadata={"context_length": str(limit)})
         return sampling
 
     async def _run_engine(self, prompt: str, sampling: SamplingSpec, embedded: list[ImageEmbedding],

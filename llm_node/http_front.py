@@ -12,6 +12,11 @@ events ending with `data: [DONE]`; `stream_options.include_usage` adds a last us
 Errors are OpenAI's error object: 400 (names the bad image's index), 401 without a valid
 API key (when the node has keys; /health stays open), 413, 429 with
 Retry-After, 503 while draining or with no encoder, 500 with a fixed message otherwise.
+
+Limits come before work: a request takes its admission slot before its body is read (a full
+node answers 429 without reading it), the body is read as a stream against a running limit
+(413 as soon as it passes it, whatever Content-Length said or with none: chunked), and the
+JSON and base64 decoding run in a worker thread, off the event loop.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from encdis.client.errors import EncdisError, InvalidArgument, ResourceExhausted, Unavailable
 from encdis.llm_node.engine import SamplingSpec
 from encdis.llm_node.generation import GenerationRequest, GenerationService, Step
-from encdis.llm_node.media import load_image_url
+from encdis.llm_node.media import MediaLoader
 from encdis.llm_node.settings import LLMSettings
 
 log = logging.getLogger(__name__)
@@ -89,11 +94,40 @@ class ChatFront:
         # Request bodies carry base64 images (4/3 of their bytes).
         self.max_body_bytes = (settings.max_images_per_request * settings.max_image_bytes * 4 // 3
                                + MAX_BODY_BYTES_OVER_IMAGES)
+        self.media = MediaLoader(allowed_domains=settings.allowed_media_domains, max_bytes=settings.max_image_bytes,
+                                 timeout_seconds=settings.media_timeout_seconds)
 
-    async def parse(self, body: dict[str, Any]) -> tuple[Any, GenerationRequest]:
+    async def read_body(self, request: Request) -> bytes:
+        """The request's body, refused (413) as soon as it passes the limit: never read whole first."""
+        limit = self.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise HttpError(413, f"request body of {declared} bytes exceeds the limit {limit}",
+                            "PayloadTooLargeError")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise HttpError(413, f"request body exceeds the limit {limit}", "PayloadTooLargeError")
+        return bytes(body)
+
+    async def parse(self, raw: bytes, slot: Any = None) -> tuple[Any, GenerationRequest]:
+        """The request and its GenerationRequest (holding `slot`, the admission slot taken for it)."""
+        req, messages, urls = await asyncio.to_thread(self._parse_sync, raw)
+        images = await self.media.load_all(urls)
+        return req, self._generation_request(req, messages, images, slot)
+
+    def _parse_sync(self, raw: bytes) -> tuple[Any, list[dict[str, Any]], list[str]]:
+        """JSON -> vLLM's ChatCompletionRequest -> messages and image URLs. Blocking (megabytes)."""
         from pydantic import ValidationError
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise HttpError(400, f"request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise HttpError(400, "request body must be a JSON object")
         try:
             req = ChatCompletionRequest.model_validate(body)
         except ValidationError as e:
@@ -106,10 +140,10 @@ class ChatFront:
         if len(urls) > self.settings.max_images_per_request:
             raise HttpError(400, f"{len(urls)} images in one request; the limit is "
                                  f"{self.settings.max_images_per_request}")
-        images = [await load_image_url(i, url, allowed_domains=self.settings.allowed_media_domains,
-                                       max_bytes=self.settings.max_image_bytes,
-                                       timeout_seconds=self.settings.media_timeout_seconds)
-                  for i, url in enumerate(urls)]
+        return req, messages, urls
+
+    def _generation_request(self, req: Any, messages: list[dict[str, Any]], images: list[bytes],
+                            slot: Any) -> GenerationRequest:
         max_tokens = req.max_completion_tokens or req.max_tokens
         if max_tokens is not None and max_tokens > self.settings.max_model_len:
             raise HttpError(400, f"max_tokens {max_tokens} exceeds the model's context length "
@@ -125,8 +159,8 @@ class ChatFront:
             ignore_eos=bool(getattr(req, "ignore_eos", False)),
             stop=tuple(stop),
         )
-        return req, GenerationRequest(messages=messages, images=images, sampling=sampling,
-                                      request_id=f"chatcmpl-{uuid.uuid4().hex}")
+        return GenerationRequest(messages=messages, images=images, sampling=sampling,
+                                 request_id=f"chatcmpl-{uuid.uuid4().hex}", slot=slot)
 
     def _messages(self, raw: list[Any]) -> tuple[list[dict[str, Any]], list[str]]:
         """Messages for the chat template (image parts as placeholders) and the image URLs in order."""
@@ -234,6 +268,7 @@ def build_app(settings: LLMSettings, service: GenerationService, serving_state: 
     (encdis.auth.ApiKeys) every path but /health needs `Authorization: Bearer KEY` (else 401)."""
     front = ChatFront(settings, service)
     app = FastAPI(title="encdis", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.media = front.media  # HttpFront.stop closes its session
     if api_keys is not None:
         from encdis.auth import HttpApiKeyMiddleware
 
@@ -259,29 +294,25 @@ def build_app(settings: LLMSettings, service: GenerationService, serving_state: 
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
+        slot = None
+        streaming = False
         try:
-            size = int(request.headers.get("content-length") or 0)
-            if size > front.max_body_bytes:
-                raise HttpError(413, f"request body of {size} bytes exceeds the limit {front.max_body_bytes}",
-                                "PayloadTooLargeError")
-            raw = await request.body()
-            if len(raw) > front.max_body_bytes:
-                raise HttpError(413, f"request body exceeds the limit {front.max_body_bytes}", "PayloadTooLargeError")
-            try:
-                body = json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as e:
-                raise HttpError(400, f"request body is not valid JSON: {e}") from None
-            if not isinstance(body, dict):
-                raise HttpError(400, "request body must be a JSON object")
-            req, gen = await front.parse(body)
+            if service.draining:
+                raise Unavailable("the LLM node is draining; send the request to another node")
+            slot = service.admission.take()  # before the body is read: a full node reads nothing
+            req, gen = await front.parse(await front.read_body(request), slot)
             if not req.stream:
                 return JSONResponse(await front.complete(req, gen))
             steps = aiter(service.generate(gen))
             # Take the first step before answering, so a bad image or a busy node is a status code.
             first = await anext(steps)
+            streaming = True  # the stream's end releases the slot (the generation's own end)
             return StreamingResponse(front.stream(req, gen, steps, first), media_type="text/event-stream")
         except Exception as e:
             return error_response(_error_for(e))
+        finally:
+            if slot is not None and not streaming:
+                slot.release()
 
     return app
 
@@ -303,6 +334,7 @@ class HttpFront:
         self.server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
         self.host = host
         self.port = port
+        self.media = getattr(getattr(app, "state", None), "media", None)
         self._task: asyncio.Task | None = None
 
     async def start(self) -> int:
@@ -319,3 +351,5 @@ class HttpFront:
         self.server.should_exit = True
         if self._task is not None:
             await self._task
+        if self.media is not None:
+            await self.media.close()

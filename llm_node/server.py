@@ -38,10 +38,15 @@ from encdis.tls import ServerTLS, add_port
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = llm_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
-SERVER_OPTIONS = [
-    ("grpc.max_receive_message_length", 256 * 1024 * 1024),  # requests carry encoded images
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-]
+MAX_RESPONSE_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+def server_options(settings: LLMSettings) -> list[tuple[str, int]]:
+    """The gRPC port's message limits: requests carry encoded images, answers text."""
+    return [
+        ("grpc.max_receive_message_length", settings.grpc_request_bytes),
+        ("grpc.max_send_message_length", MAX_RESPONSE_MESSAGE_BYTES),
+    ]
 
 
 ENGINE_DEAD_EXIT_CODE = 3
@@ -103,7 +108,8 @@ async def _serve(settings: LLMSettings, engine: EngineHost, exposure: Exposure) 
     servicer = GenerateServicer(settings, service, coordinator)
 
     server = grpc.aio.server(interceptors=[*auth_interceptors(exposure.api_keys), serving.ErrorMappingInterceptor()],
-                             options=SERVER_OPTIONS)
+                             options=server_options(settings),
+                             maximum_concurrent_rpcs=settings.grpc_concurrent_rpcs)
     llm_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, server)
     health = await serving.add_health_and_reflection(server, [SERVICE_NAME], reflection_enabled=settings.reflection)
     port = add_port(server, f"{settings.host}:{settings.port}", exposure.tls)

@@ -20,6 +20,12 @@ from encdis.settings_flags import DTYPES
 from encdis.tls import check_flags as check_tls_flags
 
 MM_TENSOR_IPC = ("auto", "torch_shm", "direct_rpc")
+# gRPC calls beyond the requests admitted: health checks and watches, ListEncoders, reflection,
+# and the calls being refused with RESOURCE_EXHAUSTED by admission.
+RPC_HEADROOM = 64
+# A Generate request's bytes beside its images: the prompt, the sampling fields.
+REQUEST_ROOM_BYTES = 1 << 20
+GRPC_MAX_MESSAGE_BYTES = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,9 @@ class LLMSettings:
     # Admission control: beyond these, requests get RESOURCE_EXHAUSTED (HTTP 429), never OOM.
     max_concurrent_requests: int = 64
     max_inflight_embedding_bytes: int = 4 * 1024**3  # predicted from image headers before encoding
+    # The gRPC door's own bounds, before any handler runs: calls at once and a request's size.
+    max_concurrent_rpcs: int = 0  # 0: max_concurrent_requests + RPC_HEADROOM
+    max_request_message_bytes: int = 0  # 0: room for max_images_per_request images + REQUEST_ROOM_BYTES
     # Exposure: TLS (mTLS with a client CA) and API keys on both front doors (encdis/tls.py, encdis/auth.py).
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -60,6 +69,17 @@ class LLMSettings:
     health_port: int = -1  # plaintext grpc.health.v1 only, for probes that cannot speak TLS; -1 disables
     # The coordinator's knobs (encoder pool, trust, bounds, retries, cache); flat flags of their own.
     coordinator: CoordinatorSettings = field(default_factory=lambda: CoordinatorSettings(encoder_datatype="auto"))
+
+    @property
+    def grpc_concurrent_rpcs(self) -> int:
+        """The gRPC port's cap on calls in progress (beyond it gRPC answers RESOURCE_EXHAUSTED)."""
+        return self.max_concurrent_rpcs or self.max_concurrent_requests + RPC_HEADROOM
+
+    @property
+    def grpc_request_bytes(self) -> int:
+        """The largest request message the gRPC port reads (beyond it: RESOURCE_EXHAUSTED, unread)."""
+        derived = self.max_images_per_request * self.max_image_bytes + REQUEST_ROOM_BYTES
+        return self.max_request_message_bytes or min(derived, GRPC_MAX_MESSAGE_BYTES)
 
     def __post_init__(self) -> None:
         check_tls_flags(self.tls_cert, self.tls_key, self.tls_client_ca)
@@ -75,6 +95,10 @@ class LLMSettings:
             raise ValueError(f"--port must be >= 0, got {self.port}")
         if self.max_concurrent_requests < 1 or self.max_inflight_embedding_bytes < 1:
             raise ValueError("--max-concurrent-requests and --max-inflight-embedding-bytes must be positive")
+        if self.max_concurrent_rpcs < 0 or self.max_request_message_bytes < 0:
+            raise ValueError("--max-concurrent-rpcs and --max-request-message-bytes must be >= 0 (0: derived)")
+        if self.max_request_message_bytes > GRPC_MAX_MESSAGE_BYTES:
+            raise ValueError(f"--max-request-message-bytes must be at most {GRPC_MAX_MESSAGE_BYTES} (gRPC's limit)")
         if self.media_timeout_seconds <= 0:
             raise ValueError(f"--media-timeout-seconds must be positive, got {self.media_timeout_seconds}")
 
@@ -103,6 +127,10 @@ _HELP = {
     "max_concurrent_requests": "requests served at once; more get RESOURCE_EXHAUSTED (HTTP 429)",
     "max_inflight_embedding_bytes": "embedding bytes of requests in flight (predicted from image headers); "
                                     "a request beyond it gets RESOURCE_EXHAUSTED (HTTP 429)",
+    "max_concurrent_rpcs": f"gRPC calls in progress at once, health checks included; more get RESOURCE_EXHAUSTED "
+                           f"from gRPC itself (0: --max-concurrent-requests + {RPC_HEADROOM})",
+    "max_request_message_bytes": "largest gRPC request message read; a larger one is refused (RESOURCE_EXHAUSTED) "
+                                 "unread (0: --max-images-per-request x --max-image-bytes + 1 MiB)",
     "tls_cert": "PEM certificate chain of the gRPC and HTTP ports (TLS; re-read when the file changes); "
                 "empty: plaintext",
     "tls_key": "PEM private key of --tls-cert",

@@ -5,7 +5,8 @@ Interface (what the LLM node's front doors call):
     coord = Coordinator(settings, registry, weights_fingerprint=fp, hidden_size=h, processor=cfg)
     # or Coordinator.from_checkpoint(settings, registry, model_dir)
     await coord.start()
-    result = await coord.encode(images, deadline=None)  # EncodeResult; result.images[i].embeds (tokens, hidden)
+    grids = coord.image_grids(images)        # from headers: the checks before any work (no decode)
+    result = await coord.encode(images, deadline=None, grids=grids)  # EncodeResult; .images[i].embeds
                                              # deadline: time.monotonic() seconds the caller waits until
     coord.encoders()                         # list[EncoderStatus], for ListEncoders
     await coord.stop()
@@ -159,17 +160,23 @@ class Coordinator:
 
     # -- one request -----------------------------------------------------------------
 
-    async def encode(self, images: Sequence[bytes], *, deadline: float | None = None) -> EncodeResult:
+    async def encode(self, images: Sequence[bytes], *, deadline: float | None = None,
+                     grids: Sequence[tuple[int, int, int]] | None = None) -> EncodeResult:
         """Embeddings of `images`, in order. Raises InvalidArgument (names the image), Unavailable,
-        or DeadlineExceeded once `deadline` (time.monotonic() seconds; None: none) has passed."""
+        or DeadlineExceeded once `deadline` (time.monotonic() seconds; None: none) has passed.
+        `grids`: what image_grids(images) already gave, so no image is probed twice."""
         if self._dispatcher is None:
             raise Unavailable("the coordinator is not started")
         t0 = time.perf_counter()
+        if grids is None:
+            grids = self.image_grids(images)
+        elif len(grids) != len(images):
+            raise ValueError(f"{len(grids)} grids for {len(images)} images")
+        # Hashing megabytes takes milliseconds: off the event loop beyond a small total.
         if sum(len(img) for img in images) > OFFLOAD_BYTES:
-            digests, grids = await asyncio.to_thread(self._digest_and_probe, images)
+            digests = await asyncio.to_thread(self._digests, images)
         else:
-            digests, grids = self._digest_and_probe(images)
-        rows_per_patch = self.identity.merge_size ** 2
+            digests = self._digests(images)
         timing = RequestTiming()
         results: list[ImageEmbedding | None] = [None] * len(images)
         cached = [True] * len(images)
@@ -187,8 +194,7 @@ class Coordinator:
                 fut = self.cache.pending(d)
                 if fut is None:
                     fut = self.cache.claim(d)
-                    t, h, w = grids[i]
-                    owned.append(PendingImage(i, d, grids[i], t * h * w // rows_per_patch))
+                    owned.append(PendingImage(i, d, grids[i], self.grid_tokens(grids[i])))
                     cached[i] = False
                     self.metrics.cache_misses.inc()
                 else:
@@ -215,19 +221,24 @@ class Coordinator:
             retries=timing.retries,
         )
 
-    def image_tokens(self, images: Sequence[bytes]) -> list[int]:
-        """Embedding rows each image will have, from its header alone (cheap: no decoding, no
-        encoder); InvalidArgument naming the first bad image. For checks before any encoding."""
+    def image_grids(self, images: Sequence[bytes]) -> list[tuple[int, int, int]]:
+        """The patch grid (t, h, w) each image will have, from its header alone (no pixel decoded,
+        no encoder); InvalidArgument naming the first bad image. For checks before any encoding;
+        pass the result to encode()."""
         from encdis.image_header import read_header
 
-        tokens = []
+        grids = []
         for i, img in enumerate(images):
             try:
-                t, h, w = self._header_grid(read_header(bytes(img)))
-                tokens.append(t * h * w // self.identity.merge_size ** 2)
+                grids.append(self._header_grid(read_header(bytes(img))))
             except ValueError as e:
                 raise InvalidArgument.for_image(i, str(e)) from None
-        return tokens
+        return grids
+
+    def grid_tokens(self, grid: tuple[int, int, int]) -> int:
+        """Embedding rows of an image with this patch grid."""
+        t, h, w = grid
+        return t * h * w // self.identity.merge_size ** 2
 
     def _header_grid(self, header: ImageHeader) -> tuple[int, int, int]:
         """The grid the encoder will give: vLLM's loader turns EXIF-rotated images upright first."""
@@ -243,21 +254,11 @@ class Coordinator:
                               patch_size=ident.patch_size, merge_size=ident.merge_size,
                               temporal_patch_size=ident.temporal_patch_size)
 
-    def _digest_and_probe(self, images: Sequence[bytes]) -> tuple[list[str], list[tuple[int, int, int]]]:
-        """Content digest and patch grid of every image; InvalidArgument for the first bad one."""
-        from encdis.image_header import read_header
-
+    def _digests(self, images: Sequence[bytes]) -> list[str]:
+        """Content digest of every image (the cache key and vLLM's multimodal uuid)."""
         ident = self.identity
-        digests, grids = [], []
-        for i, img in enumerate(images):
-            data = bytes(img)
-            try:
-                grids.append(self._header_grid(read_header(data)))
-            except ValueError as e:
-                raise InvalidArgument.for_image(i, str(e)) from None
-            digests.append(content_digest(data, ident.min_pixels, ident.max_pixels, self.weights_fingerprint,
-                                          ident.image_loader, ident.datatype))
-        return digests, grids
+        return [content_digest(bytes(img), ident.min_pixels, ident.max_pixels, self.weights_fingerprint,
+                               ident.image_loader, ident.datatype) for img in images]
 
     async def _encode_owned(self, images: Sequence[bytes], jobs: list[PendingImage], timing: RequestTiming,
                             deadline: float | None) -> None:
