@@ -1,9 +1,10 @@
 """vLLM's own Qwen2.5-VL vision tower on the encoder node: visual weights only, one rank.
 
 Why a second tower: in float32 transformers' tower (tower.py) and vLLM's agree to the
-last greedy token, but in bfloat16 they round differently (rotary tables, the fused
-norms and activations, the attention kernel, the order of the window reordering and the
-merger), and the difference is enough to flip greedy tokens of a multi-image prompt.
+last greedy token, but in bfloat16 they round differently (they are separately written
+layers: vLLM's fused QKV and gate-up projections, its rotary, norm and activation ops, its
+input normalisation on the device, its attention backend), and the difference is enough to
+flip greedy tokens of a multi-image prompt.
 `vllm serve` runs vLLM's tower, so an encoder that must equal it in bf16 runs the same
 code: `Qwen2_5_VisionTransformer` built under the engine configuration vLLM would build
 for this checkpoint at this dtype (so the same custom ops, attention backend and input
@@ -18,12 +19,11 @@ for Qwen2.5-VL) the image processor leaves pixels unnormalised and the tower nor
 them on the device in float32 before the cast; `expects_raw_pixels` tells the
 preprocessor to skip its own normalisation, so pixels are never normalised twice.
 
-Measured (bench/fidelity.py) is in the notes of the change and in `FIDELITY` below.
+MEASURED_PLACEHOLDER
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import threading
@@ -35,18 +35,7 @@ import torch
 from encdis.checkpoint import load_visual_state_dict, read_vision_config
 from encdis.client.wire import datatype_of_torch
 
-# Filled in from bench/fidelity.py's table (see the module docstring).
-FIDELITY = """see bench/fidelity.py --quick; table in the module docstring of bench/fidelity.py"""
-
 _PARALLEL_LOCK = threading.Lock()
-
-
-def vllm_available() -> bool:
-    try:
-        import vllm.model_executor.models.qwen2_5_vl  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _free_port() -> int:
@@ -138,9 +127,9 @@ class VllmVisionTower:
         grid = [list(g) for g in grid_thw]
         pixels = torch.cat(list(pixel_values), dim=0)
         pixels = pixels.to(self.device, self.input_dtype if self.expects_raw_pixels else self.dtype)
-        ctx = contextlib.ExitStack()
-        with ctx, torch.inference_mode(), set_current_vllm_config(self.vllm_config):
-            ctx.enter_context(set_forward_context(None, self.vllm_config))
+        # The engine runs its tower inside a forward context; the layers may look it up.
+        with (torch.inference_mode(), set_current_vllm_config(self.vllm_config),
+              set_forward_context(None, self.vllm_config)):
             merged = self.model(pixels, grid_thw=grid)
         sizes = (torch.tensor(grid).prod(-1) // self.merge_size**2).tolist()
         return [t.contiguous() for t in torch.split(merged.to("cpu"), sizes)]
