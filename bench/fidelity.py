@@ -21,6 +21,9 @@ with monolithic vLLM on a smaller share of prompts than vLLM agrees with itself,
     flock /tmp/encdis-vllm.lock python bench/fidelity.py [--quick] [--prompts N] [--json out.json]
 
 Run it under the vLLM lock: it starts one engine at a time, five in all.
+
+The measured table (and what it decided) is in encoder_node/vllm_tower.py's docstring. On CPU
+vLLM agrees with itself across batch shapes on every prompt, so --margin defaults to 0.
 """
 
 from __future__ import annotations
