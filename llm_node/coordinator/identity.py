@@ -93,9 +93,10 @@ def refusal_reason(desc: EncoderDescription, want: ModelIdentity) -> str | None:
         return (f"embedding datatype {desc.datatype or 'unreported'} differs from the LLM node's {want.datatype} "
                 f"(set the encoder's --dtype, or the LLM node's --encoder-datatype)")
     if desc.tower_impl != want.tower_impl:
+        why = ("the implementations round differently, so answers would depend on which encoder got the image"
+               if want.datatype != "FP32" else "one implementation per pool: digests and cached embeddings name it")
         return (f"tower_impl {desc.tower_impl or 'unreported'!r} differs from the pool's {want.tower_impl!r} "
-                f"(in {want.datatype} the implementations round differently, so answers would depend on which "
-                f"encoder got the image; set the encoder's --tower-impl, or the LLM node's --encoder-tower-impl)")
+                f"(in {want.datatype} {why}; set the encoder's --tower-impl, or the LLM node's --encoder-tower-impl)")
     # The coordinator sends the checkpoint's resize bounds with every request.
     if desc.min_pixels and desc.min_pixels > want.min_pixels:
         return f"its min_pixels {desc.min_pixels} is above the LLM checkpoint's {want.min_pixels}"
