@@ -8,7 +8,7 @@ import pytest
 
 from encdis.client.encoder_client import EncoderDescription
 from encdis.llm_node.coordinator.discovery import Resolver, is_ip_literal, join_host_port, split_host_port
-from encdis.llm_node.coordinator.identity import ModelIdentity, refusal_reason
+from encdis.llm_node.coordinator.identity import ModelIdentity, expected_tower_impl, refusal_reason
 
 
 @pytest.mark.parametrize(
@@ -76,3 +76,11 @@ def test_matching_encoder_is_accepted() -> None:
 def test_mismatched_encoder_is_refused_with_the_reason(change: dict, words: str) -> None:
     reason = refusal_reason(dataclasses.replace(DESCRIPTION, **change), IDENTITY)
     assert reason is not None and words in reason
+
+
+@pytest.mark.parametrize(("setting", "datatype", "impl"), [
+    ("auto", "FP32", "transformers"), ("auto", "BF16", "vllm"), ("auto", "FP16", "vllm"),
+    ("transformers", "BF16", "transformers"), ("vllm", "FP32", "vllm"),
+])
+def test_the_pool_expects_vllms_tower_below_fp32_unless_told(setting: str, datatype: str, impl: str) -> None:
+    assert expected_tower_impl(setting, datatype) == impl
