@@ -45,16 +45,20 @@ __all__ = [
     "DATATYPES", "DEFAULT_MAX_CHUNK_BYTES", "BatchInfo", "ChunkCopy", "Datatype", "Embedding", "EmbeddingAssembler",
     "ExpectedEmbedding", "StreamDecoder", "check_header", "chunk_bytes", "content_digest", "datatype",
     "datatype_of_torch", "decode_array", "decode_stream", "embedding_frames", "embedding_messages", "embedding_of",
-    "itemsize", "serialize_response",
+    "itemsize", "serialize_response", "TOWER_IMPLS",
 ]
 
 DEFAULT_MAX_CHUNK_BYTES = 4 * 1024 * 1024
 
+# Implementations of the vision tower an encoder may run (encoder_node/tower.py, vllm_tower.py).
+TOWER_IMPLS = ("vllm", "transformers")
+
 
 def content_digest(image: bytes, min_pixels: int, max_pixels: int, weights_fingerprint: str,
-                   image_loader: str = "vllm", datatype: str = "FP32") -> str:
+                   image_loader: str = "vllm", datatype: str = "FP32", tower_impl: str = "transformers") -> str:
     """Key of an embedding: the image bytes, the resize bounds, the image loader, the tower's
-    weights and the embedding's datatype (a BF16 tower gives other numbers than an FP32 one).
+    weights, the embedding's datatype (a BF16 tower gives other numbers than an FP32 one) and
+    the tower's implementation (vLLM's and transformers' round differently in bf16).
 
     Both the encoder node and the coordinator compute it, so a cached embedding is only
     reused when all of them match. It is also vLLM's multimodal uuid for the image.
@@ -62,8 +66,10 @@ def content_digest(image: bytes, min_pixels: int, max_pixels: int, weights_finge
     if datatype not in DATATYPES:
         raise ValueError(f"unknown embedding datatype {datatype!r} (one of {', '.join(DATATYPES)})")
     h = hashlib.sha256()
-    h.update(f"encdis-v3|{int(min_pixels)}|{int(max_pixels)}|{image_loader}|{datatype}|{weights_fingerprint}|"
-             .encode())
+    if tower_impl not in TOWER_IMPLS:
+        raise ValueError(f"unknown tower implementation {tower_impl!r} (one of {', '.join(TOWER_IMPLS)})")
+    h.update(f"encdis-v4|{int(min_pixels)}|{int(max_pixels)}|{image_loader}|{datatype}|{tower_impl}|"
+             f"{weights_fingerprint}|".encode())
     h.update(image)
     return h.hexdigest()
 

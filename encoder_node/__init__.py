@@ -1,5 +1,6 @@
 """Encoder node: a gRPC EncoderService running one Qwen2.5-VL vision tower.
 
-settings (flags + env) -> tower (weights) + preprocess (image processor) -> batcher
+settings (flags + env) -> tower (weights: transformers' tower.py or vLLM's vllm_tower.py, by --tower-impl)
++ preprocess (image processor) -> batcher
 (one varlen forward per batch) -> servicer (proto <-> domain) -> server (wiring).
 """

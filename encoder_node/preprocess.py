@@ -30,7 +30,8 @@ class PreparedImage:
     """One image ready for the tower: its patches, grid and embedding key."""
 
     index: int
-    pixel_values: torch.Tensor  # (t*h*w, channels*temporal_patch*patch*patch), float32
+    # (t*h*w, channels*temporal_patch*patch*patch): float32 normalised, or uint8 for a tower normalising itself
+    pixel_values: torch.Tensor
     grid_thw: tuple[int, int, int]
     digest: str
 
@@ -45,7 +46,7 @@ class ImagePreprocessor:
 
     def __init__(self, model_dir: str | os.PathLike, *, weights_fingerprint: str, max_image_bytes: int,
                  max_image_pixels: int, min_pixels: int = 0, max_pixels: int = 0, image_loader: str = "vllm",
-                 datatype: str = "FP32") -> None:
+                 datatype: str = "FP32", tower_impl: str = "transformers", raw_pixels: bool = False) -> None:
         self.processor = AutoImageProcessor.from_pretrained(str(model_dir))
         size = self.processor.size
         self.default_min_pixels = int(size["shortest_edge"])
@@ -66,6 +67,10 @@ class ImagePreprocessor:
         self.weights_fingerprint = weights_fingerprint
         self.image_loader = image_loader
         self.datatype = datatype  # the tower's output datatype: part of each image's digest
+        self.tower_impl = tower_impl  # part of each image's digest too
+        # vLLM's tower normalises on the device (from uint8, in float32): the processor must not
+        # normalise first, or pixels would be normalised twice.
+        self.raw_pixels = raw_pixels
         self.max_image_bytes = max_image_bytes
         self.max_image_pixels = max_image_pixels
 
@@ -123,8 +128,9 @@ class ImagePreprocessor:
             raise InvalidArgument.for_image(index, f"cannot decode {img.format}: {e}") from None
         try:
             rgb = image_loader.load(img, self.image_loader)
+            raw = {"do_rescale": False, "do_normalize": False} if self.raw_pixels else {}
             out = self.processor(images=[rgb], size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
-                                 return_tensors="pt")
+                                 return_tensors="pt", **raw)
         except (ValueError, OSError, TypeError) as e:
             raise InvalidArgument.for_image(index, f"preprocessing failed: {e}") from None
         t, h, w = (int(v) for v in out["image_grid_thw"][0].tolist())
@@ -133,5 +139,5 @@ class ImagePreprocessor:
             pixel_values=out["pixel_values"],
             grid_thw=(t, h, w),
             digest=content_digest(data, min_pixels, max_pixels, self.weights_fingerprint, self.image_loader,
-                                  self.datatype),
+                                  self.datatype, self.tower_impl),
         )

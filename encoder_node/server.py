@@ -28,7 +28,7 @@ from encdis.encoder_node.metrics import EncoderMetrics
 from encdis.encoder_node.preprocess import ImagePreprocessor
 from encdis.encoder_node.servicer import EncoderServicer, LoadedModel, add_encoder_service
 from encdis.encoder_node.settings import EncoderSettings
-from encdis.encoder_node.tower import VisionTower
+from encdis.encoder_node.tower import load_tower
 from encdis.serving import (
     ErrorMappingInterceptor,
     add_health_and_reflection,
@@ -50,12 +50,14 @@ SERVICE_NAME = encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_na
 
 def load_model(settings: EncoderSettings, metrics: EncoderMetrics) -> LoadedModel:
     """Tower, processor and fingerprint (blocking); the batcher is started by the caller."""
-    tower = VisionTower(settings.model, device=settings.device, dtype=settings.torch_dtype_name)
+    tower = load_tower(settings.model, settings.resolved_tower_impl, device=settings.device,
+                       dtype=settings.torch_dtype_name)
     fingerprint = weights_fingerprint(settings.model)
     pre = ImagePreprocessor(
         settings.model, weights_fingerprint=fingerprint, max_image_bytes=settings.max_image_bytes,
         max_image_pixels=settings.max_image_pixels, min_pixels=settings.min_pixels, max_pixels=settings.max_pixels,
-        image_loader=settings.image_loader, datatype=tower.datatype,
+        image_loader=settings.image_loader, datatype=tower.datatype, tower_impl=tower.impl,
+        raw_pixels=tower.expects_raw_pixels,
     )
     return LoadedModel(
         tower=tower, preprocessor=pre, weights_fingerprint=fingerprint,

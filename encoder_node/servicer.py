@@ -161,6 +161,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             version=encdis.__version__,
             max_chunk_bytes=s.max_chunk_bytes,
             image_loader=pre.image_loader,
+            tower_impl=m.tower.impl,
         )
 
     async def OpenColocated(self, request: encoder_pb2.OpenColocatedRequest,

@@ -8,6 +8,8 @@ so a systemd EnvironmentFile or a Kubernetes env block configures a node without
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +19,9 @@ from encdis.settings_flags import DTYPES
 from encdis.tls import check_flags as check_tls_flags
 
 LOADERS = ("vllm", "transformers")  # encoder_node/image_loader.py
+TOWER_IMPLS = ("auto", "vllm", "transformers")  # encoder_node/vllm_tower.py, encoder_node/tower.py
+
+log = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
 
@@ -28,6 +33,8 @@ class EncoderSettings:
     port: int = 50051
     device: str = "cpu"  # "cpu" or "cuda:N"
     dtype: str = "auto"  # auto: float32 on cpu, bfloat16 on cuda
+    # auto: vLLM's tower below float32 (where it rounds otherwise than transformers'), transformers' in float32.
+    tower_impl: str = "auto"
     metrics_port: int = -1  # <0 disables the metrics endpoint, 0 picks a free port
     max_batch_patches: int = 16384  # patch budget of one forward (an image larger than this runs alone)
     max_images_per_request: int = 64
@@ -60,6 +67,8 @@ class EncoderSettings:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"--device must be cpu or cuda:N, got {self.device!r}")
+        if self.tower_impl not in TOWER_IMPLS:
+            raise ValueError(f"--tower-impl must be one of {', '.join(TOWER_IMPLS)}, got {self.tower_impl!r}")
         if self.image_loader not in LOADERS:
             raise ValueError(f"--image-loader must be one of {', '.join(LOADERS)}, got {self.image_loader!r}")
         positive = ("max_batch_patches", "max_images_per_request", "max_image_bytes", "max_image_pixels",
@@ -80,6 +89,19 @@ class EncoderSettings:
         if self.dtype != "auto":
             return self.dtype
         return "float32" if self.device == "cpu" else "bfloat16"
+
+    @property
+    def resolved_tower_impl(self) -> str:
+        """The tower implementation to load: --tower-impl, with auto resolved by dtype."""
+        if self.tower_impl != "auto":
+            return self.tower_impl
+        if self.torch_dtype_name == "float32":
+            return "transformers"
+        if importlib.util.find_spec("vllm") is None:
+            log.warning("--tower-impl auto: vLLM is not installed, so transformers' tower runs in %s; an LLM node "
+                        "expecting vLLM's tower at this dtype will refuse this encoder", self.torch_dtype_name)
+            return "transformers"
+        return "vllm"
 
 
 _HELP = {
@@ -102,6 +124,9 @@ _HELP = {
     "drain_grace_seconds": "on SIGTERM, how long in-flight calls may take to finish",
     "drain_accept_seconds": "on SIGTERM, how long new calls are still accepted after health turns NOT_SERVING",
     "preprocess_workers": "threads decoding and resizing images",
+    "tower_impl": "vision tower implementation: vllm (vLLM's own layers, as vllm serve runs them; needs vLLM "
+                  "installed), transformers, or auto (vllm below float32, where the two round differently; "
+                  "transformers in float32)",
     "image_loader": "vllm (EXIF orientation, transparency onto white, as vllm serve) or transformers (as decoded)",
     "tls_cert": "PEM certificate chain of the gRPC port (TLS; re-read when the file changes); empty: plaintext",
     "tls_key": "PEM private key of --tls-cert",
@@ -117,7 +142,7 @@ _HELP = {
 
 def add_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
     """One flag per field; each defaults to its ENCDIS_* variable, then to the dataclass default."""
-    choices = {"dtype": DTYPES, "image_loader": LOADERS}
+    choices = {"dtype": DTYPES, "image_loader": LOADERS, "tower_impl": TOWER_IMPLS}
     settings_flags.add_arguments(parser, EncoderSettings, _HELP, environ=environ, choices=choices)
 
 

@@ -20,8 +20,22 @@ from encdis.checkpoint import load_visual_state_dict, read_vision_config
 from encdis.client.wire import datatype_of_torch
 
 
+def load_tower(model_dir: str | os.PathLike, impl: str, *, device: str, dtype: str):
+    """The tower of implementation `impl` ("transformers" or "vllm"); both have VisionTower's interface."""
+    if impl == "vllm":
+        from encdis.encoder_node.vllm_tower import VllmVisionTower
+
+        return VllmVisionTower(model_dir, device=device, dtype=dtype)
+    if impl == "transformers":
+        return VisionTower(model_dir, device=device, dtype=dtype)
+    raise ValueError(f"unknown tower implementation {impl!r}")
+
+
 class VisionTower:
     """One loaded vision tower on one device; `forward` runs a varlen batch of images."""
+
+    impl = "transformers"
+    expects_raw_pixels = False  # it takes the processor's normalised pixels
 
     def __init__(self, model_dir: str | os.PathLike, *, device: str = "cpu", dtype: str = "float32") -> None:
         self.device = torch.device(device)

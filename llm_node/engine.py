@@ -36,7 +36,43 @@ PROBE_CLS = "encdis.llm_node.engine.VisionTowerProbe"
 
 
 class VisionTowerProbe:
-    """Mixed into every vLLM worker: reports what of the vision tower the worker holds."""
+    """Mixed into every vLLM worker: reports what of the vision tower the worker holds, and (for
+    bench/fidelity.py) records the embeddings vLLM's own tower computes, as vLLM runs it."""
+
+    def encdis_capture_embeddings(self, enable: bool) -> bool:
+        """Start (True) or stop (False) recording every output of the model's vision tower.
+        Returns whether the worker has a tower to record (the LLM node's has none)."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        visual = getattr(model, "visual", None)
+        if visual is None or not any(True for _ in visual.parameters()):
+            return False
+        if enable and not hasattr(self, "_encdis_captured"):
+            original = visual.forward
+            captured: list = []
+
+            def recording(*args, **kwargs):
+                out = original(*args, **kwargs)
+                if self._encdis_capturing:  # type: ignore[attr-defined]
+                    captured.append(out.detach().to("cpu", copy=True))
+                return out
+
+            visual.forward = recording
+            self._encdis_captured = captured  # type: ignore[attr-defined]
+        self._encdis_capturing = bool(enable)  # type: ignore[attr-defined]
+        return True
+
+    def encdis_dump_embeddings(self, path: str) -> int:
+        """Write the outputs recorded so far (concatenated, in order) to `path` as safetensors
+        ("embeds"; no pickle), clear them, and return their row count."""
+        import torch
+        from safetensors.torch import save_file
+
+        captured = getattr(self, "_encdis_captured", [])
+        rows = torch.cat(captured) if captured else torch.empty(0)
+        captured.clear()
+        if self.rank == 0:  # type: ignore[attr-defined]
+            save_file({"embeds": rows.contiguous()}, path)
+        return int(rows.shape[0]) if rows.ndim else 0
 
     def encdis_vision_tower(self) -> dict[str, Any]:
         model = self.model_runner.get_model()  # type: ignore[attr-defined]

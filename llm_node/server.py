@@ -89,6 +89,7 @@ class Exposure:
 
 async def _serve(settings: LLMSettings, engine: EngineHost, exposure: Exposure) -> int:
     from encdis.llm_node.coordinator import Coordinator
+    from encdis.llm_node.coordinator.identity import expected_tower_impl
 
     towers = await engine.vision_tower()
     tower_params = sum(int(t["visual_parameters"]) for t in towers)
@@ -98,7 +99,8 @@ async def _serve(settings: LLMSettings, engine: EngineHost, exposure: Exposure) 
     coordinator_settings = settings.coordinator
     if coordinator_settings.encoder_datatype == "auto":
         coordinator_settings = dataclasses.replace(coordinator_settings, encoder_datatype=engine.embedding_datatype())
-    log.info("encoders must send %s embeddings", coordinator_settings.encoder_datatype)
+    log.info("encoders must send %s embeddings from the %s tower", coordinator_settings.encoder_datatype,
+             expected_tower_impl(coordinator_settings.encoder_tower_impl, coordinator_settings.encoder_datatype))
     registry = CollectorRegistry()
     metrics = LLMNodeMetrics(registry)
     coordinator = Coordinator.from_checkpoint(coordinator_settings, registry, settings.model,

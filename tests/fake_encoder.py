@@ -84,6 +84,7 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
             weights_fingerprint=self.fingerprint, device="cpu", datatype="FP32", max_images_per_request=64,
             min_pixels=ident.min_pixels, max_pixels=ident.max_pixels, patch_size=ident.patch_size,
             merge_size=ident.merge_size, temporal_patch_size=ident.temporal_patch_size, image_loader=ident.image_loader,
+            tower_impl=ident.tower_impl,
         )
 
     async def Encode(self, request, context):
@@ -100,7 +101,8 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
         batch = BatchInfo(seconds=self.batch_seconds, image_patches=tuple(t * h * w for t, h, w in grids))
         for i, (data, grid) in enumerate(zip(request.images, grids, strict=True)):
             digest = content_digest(b"another image" if self.wrong_digest else bytes(data), request.min_pixels,
-                                    request.max_pixels, self.fingerprint, ident.image_loader)
+                                    request.max_pixels, self.fingerprint, ident.image_loader,
+                                    tower_impl=ident.tower_impl)
             rows = grid[0] * grid[1] * grid[2] // ident.merge_size**2
             if self.announce_bytes:
                 async for msg in self._endless(i, grid, digest):

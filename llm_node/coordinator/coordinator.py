@@ -47,7 +47,7 @@ from .dispatch import Dispatcher, RequestTiming
 from .embedding_cache import ClaimAbandoned, EmbeddingCache
 from .expectation import PendingImage
 from .handle import keepalive_options
-from .identity import ModelIdentity
+from .identity import ModelIdentity, expected_tower_impl
 from .metrics import CoordinatorMetrics
 from .penalty import BackoffSchedule
 from .pool import EncoderPool, states_count
@@ -80,8 +80,10 @@ class Coordinator:
         self.channel_security = channel_security
         self.weights_fingerprint = weights_fingerprint
         self.hidden_size = int(hidden_size)
-        self.identity = ModelIdentity.from_processor(weights_fingerprint, self.hidden_size, processor,
-                                                     self.settings.image_loader, self.settings.encoder_datatype)
+        self.identity = ModelIdentity.from_processor(
+            weights_fingerprint, self.hidden_size, processor, self.settings.image_loader,
+            self.settings.encoder_datatype,
+            expected_tower_impl(self.settings.encoder_tower_impl, self.settings.encoder_datatype))
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = CoordinatorMetrics(self.registry)
         self.cache = EmbeddingCache(self.settings.cache_bytes)
@@ -258,7 +260,7 @@ class Coordinator:
         """Content digest of every image (the cache key and vLLM's multimodal uuid)."""
         ident = self.identity
         return [content_digest(bytes(img), ident.min_pixels, ident.max_pixels, self.weights_fingerprint,
-                               ident.image_loader, ident.datatype) for img in images]
+                               ident.image_loader, ident.datatype, ident.tower_impl) for img in images]
 
     async def _encode_owned(self, images: Sequence[bytes], jobs: list[PendingImage], timing: RequestTiming,
                             deadline: float | None) -> None:

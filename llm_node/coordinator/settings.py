@@ -13,6 +13,7 @@ from pathlib import Path
 COLOCATED_MODES = ("auto", "off", "require")
 ENCODER_DATATYPES = ("FP32", "BF16", "FP16")  # client.wire.DATATYPES, without importing the SDK here
 IMAGE_LOADERS = ("vllm", "transformers")
+ENCODER_TOWER_IMPLS = ("auto", "vllm", "transformers")  # client.wire.TOWER_IMPLS, plus auto
 # Encoder nodes accept HTTP/2 pings this often (encoder_node/server.py's keepalive permit).
 MIN_KEEPALIVE_SECONDS = 1.0
 
@@ -54,6 +55,8 @@ class CoordinatorSettings:
     # Encoders must send this datatype (identity.py). The LLM node's default is "auto", which it
     # resolves to its engine's dtype before the coordinator starts.
     encoder_datatype: str = "FP32"
+    # The tower implementation encoders must run (identity.py); auto: vLLM's below FP32, transformers' in FP32.
+    encoder_tower_impl: str = "auto"
     # How encoders are dialled: TLS verified against this CA, a client certificate, a key.
     encoder_tls_ca: Path | None = None
     encoder_tls_cert: Path | None = None
@@ -76,6 +79,9 @@ class CoordinatorSettings:
         if self.encoder_datatype not in ("auto", *ENCODER_DATATYPES):
             raise ValueError(f"--encoder-datatype must be auto or one of {ENCODER_DATATYPES}, "
                              f"got {self.encoder_datatype!r}")
+        if self.encoder_tower_impl not in ENCODER_TOWER_IMPLS:
+            raise ValueError(f"--encoder-tower-impl must be one of {', '.join(ENCODER_TOWER_IMPLS)}, "
+                             f"got {self.encoder_tower_impl!r}")
         positive = ("keepalive_timeout_seconds", "attempt_timeout_floor_seconds", "quarantine_seconds",
                     "slow_seconds", "retry_backoff_seconds")
         for name in positive:
@@ -121,6 +127,9 @@ HELP = {
     "colocated_timeout_seconds": "bound of a co-located rendezvous and of each co-located transfer",
     "encoder_datatype": "datatype encoders must send embeddings in (FP32, BF16, FP16); auto: the engine's "
                         "dtype, as monolithic vLLM runs its tower; encoders sending another are refused",
+    "encoder_tower_impl": "vision tower implementation encoders must run (vllm, transformers); auto: vllm when "
+                          "embeddings are below FP32 (as vllm serve, whose tower rounds otherwise than "
+                          "transformers' in bf16), transformers in FP32; encoders running another are refused",
     "encoder_tls_ca": "PEM CA bundle the encoders' certificates are verified with (TLS to encoders; a DNS "
                       "target's addresses are verified against its name); empty: plaintext",
     "encoder_tls_cert": "PEM client certificate chain for encoders that require one (mTLS)",

@@ -50,5 +50,6 @@ async def test_a_pool_that_expects_bf16_gets_bf16_under_a_digest_naming_it(bf16_
         (embedded,) = (await coord.encode([image])).images
     assert embedded.embeds.dtype == torch.bfloat16
     fp = coord.weights_fingerprint
-    assert embedded.digest == content_digest(image, MIN_PIXELS, MAX_PIXELS, fp, datatype="BF16")
+    # Below FP32 the pool runs vLLM's tower by default (--tower-impl auto on both sides).
+    assert embedded.digest == content_digest(image, MIN_PIXELS, MAX_PIXELS, fp, datatype="BF16", tower_impl="vllm")
     assert embedded.digest != content_digest(image, MIN_PIXELS, MAX_PIXELS, fp, datatype="FP32")

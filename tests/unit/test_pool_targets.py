@@ -8,7 +8,7 @@ import pytest
 
 from encdis.client.encoder_client import EncoderDescription
 from encdis.llm_node.coordinator.discovery import Resolver, is_ip_literal, join_host_port, split_host_port
-from encdis.llm_node.coordinator.identity import ModelIdentity, refusal_reason
+from encdis.llm_node.coordinator.identity import ModelIdentity, expected_tower_impl, refusal_reason
 
 
 @pytest.mark.parametrize(
@@ -53,7 +53,7 @@ DESCRIPTION = EncoderDescription(
     vision_config={}, out_hidden_size=128, weights_fingerprint="ab" * 32, device="cpu", datatype="FP32",
     max_batch_patches=16384, max_images_per_request=64, max_image_bytes=1 << 25, max_image_pixels=1 << 26,
     min_pixels=3136, max_pixels=200704, patch_size=14, merge_size=2, temporal_patch_size=2, boot_id="b",
-    hostname="h", version="0", max_chunk_bytes=1 << 22, image_loader="vllm",
+    hostname="h", version="0", max_chunk_bytes=1 << 22, image_loader="vllm", tower_impl="transformers",
 )
 
 
@@ -69,8 +69,18 @@ def test_matching_encoder_is_accepted() -> None:
         ({"patch_size": 16}, "patch_size 16"),
         ({"max_pixels": 100000}, "max_pixels 100000"),
         ({"min_pixels": 10000}, "min_pixels 10000"),
+        ({"tower_impl": "vllm"}, "tower_impl 'vllm' differs from the pool's 'transformers'"),
+        ({"tower_impl": ""}, "tower_impl 'unreported'"),
     ],
 )
 def test_mismatched_encoder_is_refused_with_the_reason(change: dict, words: str) -> None:
     reason = refusal_reason(dataclasses.replace(DESCRIPTION, **change), IDENTITY)
     assert reason is not None and words in reason
+
+
+@pytest.mark.parametrize(("setting", "datatype", "impl"), [
+    ("auto", "FP32", "transformers"), ("auto", "BF16", "vllm"), ("auto", "FP16", "vllm"),
+    ("transformers", "BF16", "transformers"), ("vllm", "FP32", "vllm"),
+])
+def test_the_pool_expects_vllms_tower_below_fp32_unless_told(setting: str, datatype: str, impl: str) -> None:
+    assert expected_tower_impl(setting, datatype) == impl
