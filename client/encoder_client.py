@@ -68,6 +68,7 @@ class EncoderDescription:
     version: str
     max_chunk_bytes: int
     image_loader: str = ""
+    net_namespace: str = ""  # with boot_id: equal both ways means one loopback
 
     @classmethod
     def from_proto(cls, r: encoder_pb2.DescribeResponse) -> EncoderDescription:
@@ -91,6 +92,7 @@ class EncoderDescription:
             version=r.version,
             max_chunk_bytes=r.max_chunk_bytes,
             image_loader=r.image_loader,
+            net_namespace=r.net_namespace,
         )
 
 
