@@ -9,7 +9,7 @@ after the health watch describes the encoder: the encoder serves over gRPC at on
 calls take the pair once it is up, so no request ever waits for a rendezvous. `--colocated`:
 
   off      never;
-  auto     when the host matches, the pair would be NCCL (both sides on CUDA) and the
+  auto     when the loopback is shared, the pair would be NCCL (both sides on CUDA) and the
            rendezvous succeeds. On CPU the pair is gloo over loopback TCP: bench/colocated.py
            measured it at 1.2-2x gRPC's MB/s for 1080p and 4K 72B embeddings, the same for
            small ones, with much noise on a shared 2-core machine. auto still leaves CPU
@@ -64,7 +64,8 @@ log = logging.getLogger(__name__)
 
 MODES = ("auto", "off", "require")
 REOPEN_SECONDS = 30.0
-# The pairs auto opens: NCCL only (see above); tests name gloo too, to run auto's path on CPU.
+# The pairs auto opens: NCCL only (see above). tests/integration/test_colocated_namespaces.py
+# adds gloo, to run auto's own path on a CPU machine.
 AUTO_BACKENDS = ("nccl",)
 # Receives waiting at once (each holds a thread while its bytes arrive).
 RECEIVE_THREADS = 32
@@ -88,13 +89,13 @@ class ColocatedTransport:
 
     def __init__(self, mode: str, timeout: float, registry: CollectorRegistry, *,
                  reopen_seconds: float = REOPEN_SECONDS, boot_id: str | None = None,
-                 net_namespace: str | None = None, auto_backends: tuple[str, ...] | None = None) -> None:
+                 net_namespace: str | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"colocated mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
         self.timeout = timeout
         self.reopen_seconds = reopen_seconds
-        self.auto_backends = AUTO_BACKENDS if auto_backends is None else auto_backends
+        self.auto_backends = AUTO_BACKENDS  # read at construction: a test may widen it
         self.boot_id = read_boot_id() if boot_id is None else boot_id
         self.net_namespace = read_net_namespace() if net_namespace is None else net_namespace
         self.metrics = ColocatedMetrics(registry)
@@ -179,7 +180,7 @@ class ColocatedTransport:
                  link.session_id)
 
     def _start_opening(self, h: EncoderHandle, desc: EncoderDescription) -> None:
-        task = asyncio.ensure_future(self._reopen(h, desc))
+        task = asyncio.ensure_future(self._open_in_background(h, desc))
         self._opening[h.address] = task
 
         def done(t: asyncio.Task, address: str = h.address) -> None:
@@ -188,7 +189,7 @@ class ColocatedTransport:
 
         task.add_done_callback(done)
 
-    async def _reopen(self, h: EncoderHandle, desc: EncoderDescription) -> None:
+    async def _open_in_background(self, h: EncoderHandle, desc: EncoderDescription) -> None:
         try:
             await self._open(h, desc)
         except Exception as e:  # noqa: BLE001 - stays on gRPC; tried again later
