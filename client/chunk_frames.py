@@ -76,9 +76,17 @@ def header_frame(header_message: bytes, image_index: int, first_chunk: memoryvie
     return b"".join((header_message, prefix, first_chunk))
 
 
-def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int] | None:
+# Protobuf reads a varint of at most 10 bytes, and a length prefix of at most 5 (a length is
+# below 2**31): a longer one, however small its value, makes the whole message malformed.
+_VARINT_MAX_BYTES = 10
+_LENGTH_MAX_BYTES = 5
+
+
+def _read_varint(buf: memoryview, pos: int, end: int,
+                 max_bytes: int = _VARINT_MAX_BYTES) -> tuple[int, int] | None:
+    """(value, position after it) of the varint at `pos`, or None if it is cut or too long."""
     value = shift = 0
-    while pos < end and shift < 64:
+    while pos < end and shift < 7 * max_bytes:
         b = buf[pos]
         pos += 1
         value |= (b & 0x7F) << shift
@@ -92,7 +100,7 @@ def _field(buf: memoryview, pos: int, end: int, tag: int) -> tuple[int, int] | N
     """(start, end) of the length-delimited field `tag` at `pos`, or None."""
     if pos >= end or buf[pos] != tag:
         return None
-    r = _read_varint(buf, pos + 1, end)
+    r = _read_varint(buf, pos + 1, end, _LENGTH_MAX_BYTES)
     if r is None or r[1] + r[0] > end:
         return None
     return r[1], r[1] + r[0]
@@ -129,7 +137,7 @@ def _chunk_fields(buf: memoryview, pos: int, end: int) -> ChunkView | None:
     data = buf[0:0]
     while pos < end:
         tag = buf[pos]
-        r = _read_varint(buf, pos + 1, end)
+        r = _read_varint(buf, pos + 1, end, _LENGTH_MAX_BYTES if tag == _DATA_TAG else _VARINT_MAX_BYTES)
         if r is None:
             return None
         value, pos = r

@@ -69,6 +69,7 @@ class EncoderDescription:
     max_chunk_bytes: int
     image_loader: str = ""
     tower_impl: str = ""  # "vllm" or "transformers" ("" from an encoder that does not report it)
+    net_namespace: str = ""  # with boot_id: equal both ways means one loopback
 
     @classmethod
     def from_proto(cls, r: encoder_pb2.DescribeResponse) -> EncoderDescription:
@@ -93,6 +94,7 @@ class EncoderDescription:
             max_chunk_bytes=r.max_chunk_bytes,
             image_loader=r.image_loader,
             tower_impl=r.tower_impl,
+            net_namespace=r.net_namespace,
         )
 
 

@@ -35,11 +35,13 @@ class NodeProcess:
     """One `python -m encdis.cli <args>` child: started at construction, watched by a thread.
 
     `env` overrides this process's environment for the child. The log goes to
-    `log_dir/<name>.log` when `log_dir` is given, else to a new temporary file.
+    `log_dir/<name>.log` when `log_dir` is given, else to a new temporary file. `wrapper` is a
+    command the node runs under (it must exec or run the rest of its arguments, and pass
+    signals on), such as `unshare -n --` for a network namespace of its own.
     """
 
     def __init__(self, args: Sequence[str], *, env: Mapping[str, str] | None = None, host: str = "127.0.0.1",
-                 name: str | None = None, log_dir: Path | None = None) -> None:
+                 name: str | None = None, log_dir: Path | None = None, wrapper: Sequence[str] = ()) -> None:
         self.args = list(args)
         self.host = host
         self.name = name or self.args[0]
@@ -51,7 +53,7 @@ class NodeProcess:
             self.log_path = Path(path)
         self._log = open(self.log_path, "w")  # closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "encdis.cli", *self.args],
+            [*wrapper, sys.executable, "-m", "encdis.cli", *self.args],
             stdout=subprocess.PIPE,
             stderr=self._log,
             env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},

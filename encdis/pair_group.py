@@ -1,5 +1,9 @@
 """Pairwise torch.distributed groups: the byte pipe of the co-located transport, both sides.
 
+Co-located means one loopback: the same boot id (one host) and the same network namespace
+(`read_net_namespace`). Two Kubernetes pods on one node share the boot id but each has its own
+loopback, so a store on 127.0.0.1 in one is not there for the other; both sides check both.
+
 One group per (LLM node, encoder) pair, two ranks: the encoder (SENDER_RANK) sends each
 embedding's bytes, the LLM node's coordinator (RECEIVER_RANK) receives them. The coordinator
 hosts a TCPStore on loopback for the rendezvous (`host_store`); the encoder joins it
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
 import threading
 import time
 from pathlib import Path
@@ -28,6 +33,7 @@ SENDER_RANK = 0  # the encoder
 RECEIVER_RANK = 1  # the LLM node
 BACKENDS = ("gloo", "nccl")
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
+NET_NAMESPACE_PATH = "/proc/self/ns/net"
 
 
 class PairError(RuntimeError):
@@ -40,6 +46,31 @@ def read_boot_id() -> str:
         return BOOT_ID_PATH.read_text().strip()
     except OSError:
         return ""
+
+
+def read_net_namespace() -> str:
+    """This process's network namespace ("net:[4026531840]"; "" when unknown). Namespace ids
+    are unique while the host runs: equal boot ids and equal namespaces mean one loopback."""
+    try:
+        return os.readlink(NET_NAMESPACE_PATH)
+    except OSError:
+        return ""
+
+
+def why_not_one_loopback(own_boot_id: str, own_net_namespace: str, peer_boot_id: str,
+                         peer_net_namespace: str) -> str | None:
+    """Why a peer that reports these ids cannot share this process's loopback, or None if it can.
+    Anything unknown counts as different: a pair attempted across loopbacks only times out."""
+    if not own_boot_id:
+        return "this host's boot id is unknown"
+    if peer_boot_id != own_boot_id:
+        return "on another host (boot id differs)"
+    if not own_net_namespace:
+        return "this process's network namespace is unknown"
+    if peer_net_namespace != own_net_namespace:
+        return (f"on this host but in another network namespace ({peer_net_namespace or 'unknown'}, "
+                f"here {own_net_namespace}): another pod, whose loopback is not this one")
+    return None
 
 
 def is_loopback(host: str) -> bool:

@@ -1,7 +1,7 @@
 """The encoder node's side of the co-located transport: sessions and the per-image send.
 
 An LLM node on the same host opens a session (OpenColocated): this node checks that the
-caller is on this host (its boot id) and that the store is on loopback, then joins the
+caller shares this node's loopback (its boot id and network namespace) and that the store is on loopback, then joins the
 pair's 2-rank group as the sender (encdis.pair_group). An Encode call naming the session
 gets, per image, its header over gRPC marked `colocated` with the tag the call assigned,
 and then the bytes over the group; the call's other images follow the same way. A call
@@ -33,7 +33,17 @@ import torch
 from encdis.client.errors import FailedPrecondition, InvalidArgument, Unavailable
 from encdis.client.pb import encoder_pb2
 from encdis.client.wire import BatchInfo
-from encdis.pair_group import BACKENDS, SENDER_RANK, PairError, PairGroup, is_loopback, join_store, read_boot_id
+from encdis.pair_group import (
+    BACKENDS,
+    SENDER_RANK,
+    PairError,
+    PairGroup,
+    is_loopback,
+    join_store,
+    read_boot_id,
+    read_net_namespace,
+    why_not_one_loopback,
+)
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +96,9 @@ class ColocatedSessions:
             raise InvalidArgument("session_id must be 1-128 characters of [A-Za-z0-9_.-]")
         if backend not in BACKENDS:
             raise InvalidArgument(f"backend must be one of {BACKENDS}, got {backend!r}")
-        own = read_boot_id()
-        if not own or request.boot_id != own:
-            raise FailedPrecondition("not co-located: the caller's boot id differs from this host's")
+        why = why_not_one_loopback(read_boot_id(), read_net_namespace(), request.boot_id, request.net_namespace)
+        if why is not None:
+            raise FailedPrecondition(f"not co-located: the caller is {why}")
         if not is_loopback(request.store_host):
             raise InvalidArgument(f"store_host {request.store_host!r} is not a loopback address")
         if not 0 < request.timeout_seconds <= MAX_TIMEOUT_SECONDS:

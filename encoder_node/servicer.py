@@ -20,7 +20,6 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import torch
@@ -36,9 +35,9 @@ from encdis.encoder_node.metrics import EncoderMetrics
 from encdis.encoder_node.preprocess import ImagePreprocessor
 from encdis.encoder_node.settings import EncoderSettings
 from encdis.encoder_node.tower import VisionTower
+from encdis.pair_group import read_boot_id, read_net_namespace
 from encdis.serving import InFlight
 
-BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 # Smallest chunk a caller may ask for: tiny chunks would only multiply messages.
 MIN_CHUNK_BYTES = 1024
 
@@ -52,13 +51,6 @@ class LoadedModel:
     weights_fingerprint: str
     batcher: Batcher
     preprocess_pool: Executor
-
-
-def read_boot_id() -> str:
-    try:
-        return BOOT_ID_PATH.read_text().strip()
-    except OSError:
-        return ""
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -157,6 +149,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             merge_size=pre.merge_size,
             temporal_patch_size=pre.temporal_patch_size,
             boot_id=read_boot_id(),
+            net_namespace=read_net_namespace(),
             hostname=socket.gethostname(),
             version=encdis.__version__,
             max_chunk_bytes=s.max_chunk_bytes,

@@ -16,6 +16,10 @@ of a constant value. Knobs are attributes a test sets:
     wrong_digest: the header carries another image's digest
     datatype: what the header says and the bytes are (Describe always says FP32)
     resource_exhausted: every Encode answers RESOURCE_EXHAUSTED
+    on_this_loopback: Describe reports this process's boot id and network namespace (a
+        co-located encoder, as far as the coordinator can tell)
+    open_colocated_seconds: OpenColocated answers UNAVAILABLE after this long (a slow
+        rendezvous); `open_calls` counts the calls, `open_answered` the answers
 
 FakeEncoderThread runs one in a thread with its own event loop, for tests whose own loop
 is not running while the fake must answer (a synchronous test driving an LLM node).
@@ -32,12 +36,13 @@ import numpy as np
 
 from encdis import serving
 from encdis.checkpoint import read_processor_config, read_vision_config, text_hidden_size, weights_fingerprint
-from encdis.client.errors import ResourceExhausted
+from encdis.client.errors import ResourceExhausted, Unavailable
 from encdis.client.pb import encoder_pb2, encoder_pb2_grpc
 from encdis.client.wire import DEFAULT_MAX_CHUNK_BYTES, BatchInfo, content_digest, embedding_messages
 from encdis.image_header import read_header
 from encdis.llm_node.coordinator.identity import ModelIdentity
 from encdis.llm_node.coordinator.patches import grid_for_image
+from encdis.pair_group import read_boot_id, read_net_namespace
 
 SERVICE = encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name
 NUMPY_DTYPES = {"FP32": "<f4", "FP16": "<f2", "BF16": "<u2"}
@@ -58,6 +63,9 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
         self.wrong_digest = False
         self.datatype = "FP32"
         self.resource_exhausted = False
+        self.on_this_loopback = False
+        self.open_colocated_seconds = 0.0
+        self.open_calls = self.open_answered = 0
         self.calls = 0
         self.sent_bytes = 0  # embedding bytes yielded to gRPC, over all calls
         self.address = ""
@@ -85,7 +93,15 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
             min_pixels=ident.min_pixels, max_pixels=ident.max_pixels, patch_size=ident.patch_size,
             merge_size=ident.merge_size, temporal_patch_size=ident.temporal_patch_size, image_loader=ident.image_loader,
             tower_impl=ident.tower_impl,
+            boot_id=read_boot_id() if self.on_this_loopback else "",
+            net_namespace=read_net_namespace() if self.on_this_loopback else "",
         )
+
+    async def OpenColocated(self, request, context) -> encoder_pb2.OpenColocatedResponse:
+        self.open_calls += 1
+        await asyncio.sleep(self.open_colocated_seconds)
+        self.open_answered += 1
+        raise Unavailable("the fake encoder opens no co-located pair")
 
     async def Encode(self, request, context):
         self.calls += 1

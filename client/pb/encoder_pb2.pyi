@@ -83,7 +83,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("vision_config_json", "out_hidden_size", "weights_fingerprint", "device", "datatype", "max_batch_patches", "max_images_per_request", "max_image_bytes", "max_image_pixels", "min_pixels", "max_pixels", "patch_size", "merge_size", "temporal_patch_size", "boot_id", "hostname", "version", "max_chunk_bytes", "image_loader", "tower_impl")
+    __slots__ = ("vision_config_json", "out_hidden_size", "weights_fingerprint", "device", "datatype", "max_batch_patches", "max_images_per_request", "max_image_bytes", "max_image_pixels", "min_pixels", "max_pixels", "patch_size", "merge_size", "temporal_patch_size", "boot_id", "hostname", "version", "max_chunk_bytes", "image_loader", "net_namespace", "tower_impl")
     VISION_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     OUT_HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class DescribeResponse(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     IMAGE_LOADER_FIELD_NUMBER: _ClassVar[int]
+    NET_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TOWER_IMPL_FIELD_NUMBER: _ClassVar[int]
     vision_config_json: str
     out_hidden_size: int
@@ -123,24 +124,27 @@ class DescribeResponse(_message.Message):
     version: str
     max_chunk_bytes: int
     image_loader: str
+    net_namespace: str
     tower_impl: str
-    def __init__(self, vision_config_json: _Optional[str] = ..., out_hidden_size: _Optional[int] = ..., weights_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., datatype: _Optional[str] = ..., max_batch_patches: _Optional[int] = ..., max_images_per_request: _Optional[int] = ..., max_image_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ..., patch_size: _Optional[int] = ..., merge_size: _Optional[int] = ..., temporal_patch_size: _Optional[int] = ..., boot_id: _Optional[str] = ..., hostname: _Optional[str] = ..., version: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., image_loader: _Optional[str] = ..., tower_impl: _Optional[str] = ...) -> None: ...
+    def __init__(self, vision_config_json: _Optional[str] = ..., out_hidden_size: _Optional[int] = ..., weights_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., datatype: _Optional[str] = ..., max_batch_patches: _Optional[int] = ..., max_images_per_request: _Optional[int] = ..., max_image_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ..., patch_size: _Optional[int] = ..., merge_size: _Optional[int] = ..., temporal_patch_size: _Optional[int] = ..., boot_id: _Optional[str] = ..., hostname: _Optional[str] = ..., version: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., image_loader: _Optional[str] = ..., net_namespace: _Optional[str] = ..., tower_impl: _Optional[str] = ...) -> None: ...
 
 class OpenColocatedRequest(_message.Message):
-    __slots__ = ("session_id", "store_host", "store_port", "backend", "boot_id", "timeout_seconds")
+    __slots__ = ("session_id", "store_host", "store_port", "backend", "boot_id", "timeout_seconds", "net_namespace")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STORE_HOST_FIELD_NUMBER: _ClassVar[int]
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NET_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     store_host: str
     store_port: int
     backend: str
     boot_id: str
     timeout_seconds: float
-    def __init__(self, session_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., backend: _Optional[str] = ..., boot_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    net_namespace: str
+    def __init__(self, session_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., backend: _Optional[str] = ..., boot_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., net_namespace: _Optional[str] = ...) -> None: ...
 
 class OpenColocatedResponse(_message.Message):
     __slots__ = ("device",)

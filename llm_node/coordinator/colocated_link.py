@@ -139,14 +139,15 @@ class CallReceiver:
         return await self.link.receive(header, tag, deadline)
 
 
-async def open_link(address: str, channel: grpc.aio.Channel, *, backend: str, boot_id: str, timeout: float,
-                    threads: ThreadPoolExecutor, **callbacks: Callable) -> ColocatedLink:
+async def open_link(address: str, channel: grpc.aio.Channel, *, backend: str, boot_id: str, net_namespace: str,
+                    timeout: float, threads: ThreadPoolExecutor, **callbacks: Callable) -> ColocatedLink:
     """Open a pair with the encoder behind `channel`: store, both group halves, the encoder's OpenColocated."""
     store = await asyncio.to_thread(host_store, timeout)
     session_id = uuid.uuid4().hex
     half = asyncio.ensure_future(asyncio.to_thread(PairGroup, store, session_id, RECEIVER_RANK, backend, timeout))
     req = encoder_pb2.OpenColocatedRequest(session_id=session_id, store_host="127.0.0.1", store_port=store.port,
-                                           backend=backend, boot_id=boot_id, timeout_seconds=timeout)
+                                           backend=backend, boot_id=boot_id, net_namespace=net_namespace,
+                                           timeout_seconds=timeout)
     try:
         await encoder_pb2_grpc.EncoderServiceStub(channel).OpenColocated(req, timeout=timeout)
     except grpc.aio.AioRpcError as e:

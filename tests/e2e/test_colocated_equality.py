@@ -19,9 +19,12 @@ from encdis.launcher import start_node
 from encdis.pair_group import read_boot_id
 from tests.e2e.conftest import LLM_NODE_MAX_CONCURRENT, concurrent_cases
 from tests.e2e.test_llm_equality import generate_ids
+from tests.needs import require_or_skip
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800),
-              pytest.mark.skipif(not read_boot_id(), reason="no boot id on this host")]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
+
+require_or_skip(bool(read_boot_id()), "a host boot id (/proc/sys/kernel/random/boot_id)",
+                "the co-located transport pairs processes of one Linux host")
 
 
 @pytest.fixture(scope="module")

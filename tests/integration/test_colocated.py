@@ -27,9 +27,12 @@ from encdis.llm_node.coordinator.settings import CoordinatorSettings
 from encdis.pair_group import read_boot_id
 from tests.fake_encoder import FakeEncoder
 from tests.integration.test_coordinator import encoder_args, metric, png
+from tests.needs import require_or_skip
 
-pytestmark = [pytest.mark.timeout(600),
-              pytest.mark.skipif(not read_boot_id(), reason="no boot id on this host")]
+pytestmark = [pytest.mark.timeout(600)]
+
+require_or_skip(bool(read_boot_id()), "a host boot id (/proc/sys/kernel/random/boot_id)",
+                "the co-located transport pairs processes of one Linux host")
 
 NODE_TIMEOUT = 300
 BYTES = "encdis_coordinator_embedding_bytes_received_total"
