@@ -205,13 +205,15 @@ class Coordinator:
                 except InvalidArgument as e:
                     raise InvalidArgument.for_image(i, e.message, reason=e.reason) from None
         self.metrics.cache_bytes.set(self.cache.size_bytes)
+        wall = time.perf_counter() - t0
+        self.metrics.request_embeddings_seconds.observe(wall)
         return EncodeResult(
             images=[r for r in results if r is not None],
             cached=cached,
             queue_seconds=timing.wait + timing.queue,
             encode_seconds=timing.encode,
             transfer_seconds=timing.transfer,
-            wall_seconds=time.perf_counter() - t0,
+            wall_seconds=wall,
             retries=timing.retries,
         )
 
