@@ -1,0 +1,77 @@
+"""Traces from a real encoder node to a real OTLP receiver (tests/otlp_receiver.py).
+
+The caller's W3C trace context travels in the Encode call's gRPC metadata: the node's Encode
+span joins that trace as a child of the caller's span, and its steps (preprocess, queue,
+forward with the batch's size, send) are children of the Encode span. With no endpoint the
+node creates no exporter at all.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import pytest
+
+from encdis.client.encoder_client import AsyncEncoderClient
+from encdis.launcher import NodeProcess
+from encdis.tracing import Tracing, trace_metadata
+from tests.integration.test_coordinator import NODE_TIMEOUT, encoder_args, png
+from tests.otlp_receiver import OtlpReceiver
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    with OtlpReceiver() as rx:
+        yield rx
+
+
+@pytest.fixture(scope="module")
+def traced_node(tiny_ckpt, receiver):
+    args = [*encoder_args(tiny_ckpt, "127.0.0.1"), "--otlp-traces-endpoint", receiver.address]
+    node = NodeProcess(args, host="127.0.0.1").wait_ready(NODE_TIMEOUT)
+    try:
+        yield node
+    finally:
+        node.stop()
+
+
+async def test_encode_spans_join_the_callers_trace(traced_node, receiver) -> None:
+    trace_id, parent_id = secrets.token_hex(16), secrets.token_hex(8)
+    metadata = [("traceparent", f"00-{trace_id}-{parent_id}-01")]
+    async with AsyncEncoderClient(traced_node.address, timeout=120) as client:
+        out = [e async for e in client.encode_iter([png(224, 224, 1), png(112, 168, 2)], metadata=metadata)]
+    assert len(out) == 2
+
+    def complete(spans) -> bool:
+        return sum(s.trace_id == trace_id for s in spans) >= 8  # Encode, preprocess, 2 x (queue, forward, send)
+
+    spans = [s for s in receiver.wait_for(complete, timeout=60) if s.trace_id == trace_id]
+    [encode] = [s for s in spans if s.name == "encdis.encoder.Encode"]
+    assert encode.service == "encdis-encoder" and encode.parent_span_id == parent_id
+    assert encode.attributes["encdis.images"] == 2 and encode.attributes["rpc.grpc.status_code"] == "OK"
+    children = [s for s in spans if s is not encode]
+    assert all(s.parent_span_id == encode.span_id for s in children)
+    names = sorted(s.name for s in children)
+    steps = [f"encdis.encoder.{n}" for n in ("queue", "forward", "send")]
+    assert names == sorted(["encdis.encoder.preprocess", *steps, *steps])
+    forwards = [s for s in children if s.name == "encdis.encoder.forward"]
+    assert sorted(s.attributes["encdis.image_index"] for s in forwards) == [0, 1]
+    assert all(s.attributes["encdis.batch_images"] >= 1 and s.attributes["encdis.batch_patches"] > 0 for s in forwards)
+
+
+async def test_a_call_without_trace_context_starts_its_own_trace(traced_node, receiver) -> None:
+    before = {s.trace_id for s in receiver.spans}
+    async with AsyncEncoderClient(traced_node.address, timeout=120) as client:
+        [_ async for _ in client.encode_iter([png(140, 140, 3)])]
+    spans = receiver.wait_for(lambda spans: any(s.name == "encdis.encoder.Encode" and s.trace_id not in before
+                                                 for s in spans), timeout=60)
+    [root] = [s for s in spans if s.name == "encdis.encoder.Encode" and s.trace_id not in before]
+    assert root.parent_span_id == ""
+
+
+def test_tracing_off_creates_no_provider_or_exporter() -> None:
+    off = Tracing.configured("", "encdis-encoder")
+    assert not off.enabled and off.provider is None
+    with off.tracer.start_as_current_span("x") as span:
+        assert not span.is_recording()
+        assert trace_metadata() == []  # nothing to propagate either
