@@ -40,6 +40,7 @@ from encdis.client.channels import ChannelSecurity
 from encdis.client.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from encdis.client.wire import content_digest
 from encdis.image_header import ImageHeader
+from encdis.tracing import Tracing, record_span
 
 from .colocated import ColocatedTransport
 from .dispatch import Dispatcher, RequestTiming
@@ -87,6 +88,7 @@ class Coordinator:
         self.pool: EncoderPool | None = None
         self._dispatcher: Dispatcher | None = None
         self.colocated: ColocatedTransport | None = None
+        self.tracing = Tracing()  # off; the node sets its own before start()
 
     @classmethod
     def from_checkpoint(cls, settings: CoordinatorSettings, registry: CollectorRegistry | None,
@@ -125,6 +127,7 @@ class Coordinator:
         self._dispatcher = Dispatcher(s, self.pool, self.cache, self.metrics, hidden_size=self.hidden_size,
                                       min_pixels=self.identity.min_pixels, max_pixels=self.identity.max_pixels,
                                       colocated=self.colocated)
+        self._dispatcher.tracing = self.tracing
         # Import transformers' smart_resize now, not inside the first request.
         await asyncio.to_thread(self._grid, 448, 448)
         await self.pool.start()
@@ -161,7 +164,21 @@ class Coordinator:
 
     async def encode(self, images: Sequence[bytes], *, deadline: float | None = None) -> EncodeResult:
         """Embeddings of `images`, in order. Raises InvalidArgument (names the image), Unavailable,
-        or DeadlineExceeded once `deadline` (time.monotonic() seconds; None: none) has passed."""
+        or DeadlineExceeded once `deadline` (time.monotonic() seconds; None: none) has passed.
+        One span per request (a child of the caller's current span), one per image."""
+        tracer = self.tracing.tracer
+        attributes = {"encdis.images": len(images)}
+        with tracer.start_as_current_span("encdis.coordinator.encode", attributes=attributes) as span:
+            result = await self._encode(images, deadline)
+            span.set_attributes({"encdis.cached_images": sum(result.cached), "encdis.retries": result.retries})
+            if span.is_recording():
+                for i, hit in enumerate(result.cached):
+                    if hit:  # the misses' spans come from the encoder calls (dispatch.py)
+                        record_span(tracer, span, "encdis.coordinator.image", span.start_time, time.time_ns(),
+                                    **{"encdis.image_index": i, "encdis.cache": "hit"})
+            return result
+
+    async def _encode(self, images: Sequence[bytes], deadline: float | None) -> EncodeResult:
         if self._dispatcher is None:
             raise Unavailable("the coordinator is not started")
         t0 = time.perf_counter()
