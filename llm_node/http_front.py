@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -34,6 +35,7 @@ from encdis.llm_node.engine import SamplingSpec
 from encdis.llm_node.generation import GenerationRequest, GenerationService, Step
 from encdis.llm_node.media import load_image_url
 from encdis.llm_node.settings import LLMSettings
+from encdis.tracing import TRACE_KEYS
 
 log = logging.getLogger(__name__)
 
@@ -274,6 +276,9 @@ def build_app(settings: LLMSettings, service: GenerationService, serving_state: 
             if not isinstance(body, dict):
                 raise HttpError(400, "request body must be a JSON object")
             req, gen = await front.parse(body)
+            # The caller's W3C trace context: the request's span joins its trace.
+            gen = dataclasses.replace(gen, trace_context={k: request.headers[k] for k in TRACE_KEYS
+                                                          if k in request.headers})
             if not req.stream:
                 return JSONResponse(await front.complete(req, gen))
             steps = aiter(service.generate(gen))
