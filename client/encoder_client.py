@@ -169,7 +169,8 @@ class AsyncEncoderClient(AsyncClient):
                           max_chunk_bytes: int = RECEIVE_CHUNK_BYTES, timeout: float | None = None,
                           expected: Sequence[ExpectedEmbedding] | None = None, max_total_bytes: int | None = None,
                           on_embedding_bytes: Callable[[int], object] | None = None,
-                          colocated: ColocatedReceiver | None = None) -> AsyncIterator[Embedding]:
+                          colocated: ColocatedReceiver | None = None,
+                          metadata: Sequence[tuple[str, str]] = ()) -> AsyncIterator[Embedding]:
         """Yield each image's embedding as soon as its last chunk arrives (chunks of at most
         `max_chunk_bytes`; 0: the node's default).
 
@@ -179,6 +180,7 @@ class AsyncEncoderClient(AsyncClient):
         `on_embedding_bytes` is called with each embedding's size as it is yielded.
         `colocated`: a co-located pair's receiver (client/colocated.py); the call names its
         session and images whose header says so arrive over it, the others as chunks.
+        `metadata`: extra gRPC metadata of the call (the caller's W3C trace context).
         """
         req = encode_request(images, min_pixels, max_pixels, max_chunk_bytes)
         dec: StreamDecoder = StreamDecoder(len(images), expected=expected, max_total_bytes=max_total_bytes)
@@ -186,7 +188,7 @@ class AsyncEncoderClient(AsyncClient):
             req.colocated_session, req.colocated_tag_base = colocated.session_id, colocated.tag_base(len(images))
             dec = ColocatedStreamDecoder(len(images), expected=expected, max_total_bytes=max_total_bytes)
         copies = _PendingCopies(self._copy_pool())
-        call = self._encode_raw(req, timeout=timeout or self.timeout)
+        call = self._encode_raw(req, timeout=timeout or self.timeout, metadata=tuple(metadata) or None)
         deadline = time.monotonic() + (timeout or self.timeout) if (timeout or self.timeout) else None
         messages = Lookahead(call)
         try:

@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "encode": ("encdis.client.encode_command", "encode images on an encoder node into a .safetensors file"),
     "llm": ("encdis.llm_node.cli", "run the LLM node (vLLM + coordinator + GenerateService)"),
     "generate": ("encdis.client.generate_command", "send a prompt with images to the LLM node"),
+    "pool": ("encdis.client.pool_command", "show an LLM node's encoder pool (state, queue, faults, back-off)"),
     "demo": ("encdis.llm_node.demo", "run encdis end to end on the tiny checkpoint"),
 }
 

@@ -39,6 +39,7 @@ from encdis.serving import (
     start_metrics_http,
 )
 from encdis.tls import ServerTLS, add_port
+from encdis.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,8 @@ class EncoderNode:
     def __init__(self, settings: EncoderSettings) -> None:
         self.settings = settings
         self.metrics = EncoderMetrics()
-        self.servicer = EncoderServicer(settings, self.metrics)
+        self.tracing = Tracing.configured(settings.otlp_traces_endpoint, "encdis-encoder")
+        self.servicer = EncoderServicer(settings, self.metrics, self.tracing)
         self.model: LoadedModel | None = None
         self.server: grpc.aio.Server | None = None
         self.health = None
@@ -148,6 +150,7 @@ class EncoderNode:
         if self.model is not None:
             await self.model.batcher.close()
             self.model.preprocess_pool.shutdown(wait=False, cancel_futures=True)
+        await self.tracing.shutdown()
 
 
 async def serve(settings: EncoderSettings) -> int:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+from opentelemetry.trace import Span, SpanKind
 
 import encdis
 from encdis.client.errors import EncdisError, InvalidArgument, ResourceExhausted, Unavailable
@@ -37,6 +38,7 @@ from encdis.encoder_node.settings import EncoderSettings
 from encdis.encoder_node.tower import VisionTower
 from encdis.pair_group import read_boot_id, read_net_namespace
 from encdis.serving import InFlight
+from encdis.tracing import Tracing, context_from_metadata, record_span
 
 # Smallest chunk a caller may ask for: tiny chunks would only multiply messages.
 MIN_CHUNK_BYTES = 1024
@@ -91,9 +93,10 @@ def add_encoder_service(servicer: encoder_pb2_grpc.EncoderServiceServicer, serve
 
 
 class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
-    def __init__(self, settings: EncoderSettings, metrics: EncoderMetrics) -> None:
+    def __init__(self, settings: EncoderSettings, metrics: EncoderMetrics, tracing: Tracing | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
+        self.tracing = tracing or Tracing()  # off: a no-op tracer
         self._model: LoadedModel | None = None
         self._draining = False
         self._calls = InFlight(metrics.inflight_requests)
@@ -176,9 +179,13 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                 f"{self._calls.count} Encode calls in progress, the limit is {self.settings.max_concurrent_rpcs}",
                 reason="ENCODER_CALLS_FULL", metadata={"limit": str(self.settings.max_concurrent_rpcs)})
         code = "OK"
+        # Not made current: an async generator resumes in its caller's context between messages.
+        span = self.tracing.tracer.start_span(
+            "encdis.encoder.Encode", context=context_from_metadata(context.invocation_metadata()),
+            kind=SpanKind.SERVER, attributes={"encdis.images": len(request.images)})
         with self._calls.track():
             try:
-                async for msg in self._encode(request):
+                async for msg in self._encode(request, span):
                     yield msg
             except EncdisError as e:
                 code = e.code.name
@@ -191,8 +198,10 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                 raise
             finally:
                 self.metrics.requests.labels(code=code).inc()
+                span.set_attribute("rpc.grpc.status_code", code)
+                span.end()
 
-    async def _encode(self, request: encoder_pb2.EncodeRequest) -> AsyncIterator[bytes]:
+    async def _encode(self, request: encoder_pb2.EncodeRequest, span: Span) -> AsyncIterator[bytes]:
         model = self._ready_model()
         s, pre = self.settings, model.preprocessor
         images = request.images
@@ -217,11 +226,15 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         futures: list[asyncio.Future] = []
         try:
             loop = asyncio.get_running_loop()
+            t_pre = time.time_ns()
             with self._decoding.hold(sum(h.width * h.height for h in headers)):
                 prepared = await asyncio.gather(*(
                     loop.run_in_executor(model.preprocess_pool, self._timed_prepare, pre, i, data, lo, hi)
                     for i, data in enumerate(images)
                 ))
+            tracer = self.tracing.tracer
+            record_span(tracer, span, "encdis.encoder.preprocess", t_pre, time.time_ns(),
+                        **{"encdis.images": len(prepared)})
             for p in prepared:
                 futures.append(model.batcher.submit(p, accepted_at))
             # The batcher now owns each submitted image's (actual) patches.
@@ -231,6 +244,16 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             session = self.colocated.get(request.colocated_session)  # None: the bytes go as chunks
             for p, fut in zip(prepared, futures, strict=True):
                 enc = await fut
+                if span.is_recording():
+                    # The batcher measured these; the spans end when this image's result arrived.
+                    done = time.time_ns()
+                    forward_ns = int(enc.batch.seconds * 1e9)
+                    record_span(tracer, span, "encdis.encoder.queue", done - forward_ns - int(enc.queue_seconds * 1e9),
+                                done - forward_ns, **{"encdis.image_index": p.index})
+                    record_span(tracer, span, "encdis.encoder.forward", done - forward_ns, done,
+                                **{"encdis.image_index": p.index, "encdis.batch_images": len(enc.batch.image_patches),
+                                   "encdis.batch_patches": sum(enc.batch.image_patches)})
+                t_send = time.time_ns()
                 if session is not None:
                     async for frame in self.colocated.frames(
                             session, p.index, p.grid_thw, p.digest, enc.embedding, model.tower.datatype,
@@ -241,6 +264,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                                               chunk_bytes, batch=enc.batch, queue_seconds=enc.queue_seconds):
                         yield frame
                 self.metrics.embedding_bytes.inc(enc.embedding.numel() * enc.embedding.element_size())
+                record_span(tracer, span, "encdis.encoder.send", t_send, time.time_ns(),
+                            **{"encdis.image_index": p.index, "encdis.colocated": session is not None})
         finally:
             if reserved:
                 model.batcher.release(reserved)

@@ -60,6 +60,7 @@ class EncoderSettings:
     reflection: bool = True
     metrics_host: str | None = None  # None: --host
     health_port: int = -1  # plaintext grpc.health.v1 only, for probes that cannot speak TLS; -1 disables
+    otlp_traces_endpoint: str = ""  # OTLP gRPC collector (host:port); empty: no tracing, no exporter
 
     def __post_init__(self) -> None:
         check_tls_flags(self.tls_cert, self.tls_key, self.tls_client_ca)
@@ -137,6 +138,8 @@ _HELP = {
     "metrics_host": "address the metrics endpoint binds (empty: --host)",
     "health_port": "plaintext port serving only grpc.health.v1, for probes that cannot use TLS; "
                    "-1 disables, 0 picks one",
+    "otlp_traces_endpoint": "OpenTelemetry collector for traces, OTLP over gRPC (host:port, http:// plaintext, "
+                            "https:// TLS); empty: tracing off",
 }
 
 

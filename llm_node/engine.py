@@ -19,7 +19,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -153,6 +153,8 @@ def engine_kwargs(settings: LLMSettings, *, tower: bool, max_images: int = 16) -
         worker_extension_cls=PROBE_CLS,
         disable_log_stats=True,
     )
+    if settings.otlp_traces_endpoint:  # vLLM's own request spans, joined to encdis's by trace_headers
+        kw["otlp_traces_endpoint"] = settings.otlp_traces_endpoint
     if not cpu:
         kw["gpu_memory_utilization"] = settings.gpu_memory_utilization
     if tower:
@@ -253,8 +255,10 @@ class EngineHost:
         images: Sequence[ImageEmbedding] = (),
         raw_images: Sequence[Any] = (),
         request_id: str | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[GenerationDelta]:
-        """Stream a completion. Node: `images` (embeddings). Reference: `raw_images` (PIL)."""
+        """Stream a completion. Node: `images` (embeddings). Reference: `raw_images` (PIL).
+        `trace_headers`: W3C trace context (traceparent) vLLM's request span joins."""
         inputs: dict[str, Any] = {"prompt": prompt}
         if len(images) == 1:
             mm, uuids = embeds_mm_data(images)
@@ -272,7 +276,7 @@ class EngineHost:
         prompt_tokens = 0
         started = False
         try:
-            async for out in self.llm.generate(inputs, sampling.to_vllm(), rid):
+            async for out in self.llm.generate(inputs, sampling.to_vllm(), rid, trace_headers=trace_headers):
                 started = True
                 if out.prompt_token_ids is not None:
                     prompt_tokens = len(out.prompt_token_ids)

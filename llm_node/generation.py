@@ -13,9 +13,12 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind
 
 from encdis.client.errors import InvalidArgument, Unavailable
 from encdis.llm_node.admission import Admission, Slot
@@ -25,6 +28,7 @@ from encdis.llm_node.metrics import LLMNodeMetrics
 from encdis.llm_node.prompt import PromptRenderer
 from encdis.llm_node.settings import LLMSettings
 from encdis.serving import InFlight
+from encdis.tracing import context_from_metadata, trace_metadata
 
 # Embedding bytes are reserved at the widest wire datatype (FP32), whatever the encoders send.
 MAX_ITEMSIZE = 4
@@ -39,6 +43,7 @@ class GenerationRequest:
     deadline: float | None = None  # time.monotonic() seconds the caller waits until (gRPC's deadline)
     # The admission slot the front door took before reading the request (None: generate takes one).
     slot: Slot | None = None
+    trace_context: Mapping[str, str] = field(default_factory=dict)  # the caller's traceparent/tracestate
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,7 @@ class GenerationService:
         self.draining = False
         self._calls = InFlight(metrics.in_flight)
         self.admission = Admission(settings.max_concurrent_requests, settings.max_inflight_embedding_bytes)
+        self.tracing = coordinator.tracing  # one tracer per node, shared with its coordinator
 
     async def wait_idle(self, timeout: float) -> bool:
         """True when no generation is in flight (within `timeout`)."""
@@ -98,10 +104,14 @@ class GenerationService:
                 req.slot.release()
             raise Unavailable("the LLM node is draining; send the request to another node")
         code = "OK"
+        # The request's span; made current only around plain awaits (never across a yield).
+        span = self.tracing.tracer.start_span("encdis.generate", context=context_from_metadata(req.trace_context),
+                                              kind=SpanKind.SERVER, attributes={"encdis.images": len(req.images),
+                                                                                "encdis.request_id": req.request_id})
         with self._calls.track():
             try:
                 with req.slot or self.admission.take() as slot:
-                    async for step in self._generate(req, slot):
+                    async for step in self._generate(req, slot, span):
                         yield step
             except (asyncio.CancelledError, GeneratorExit):
                 code = "CANCELLED"
@@ -113,8 +123,10 @@ class GenerationService:
                 if req.slot is not None:
                     req.slot.release()  # also when the generator is closed before it started
                 self.metrics.requests.labels(code).inc()
+                span.set_attribute("rpc.grpc.status_code", code)
+                span.end()
 
-    async def _generate(self, req: GenerationRequest, slot: Slot) -> AsyncIterator[Step]:
+    async def _generate(self, req: GenerationRequest, slot: Slot, span: Span) -> AsyncIterator[Step]:
         t_start = time.monotonic()
         images = list(req.images)
         validate_images(images, self.settings)
@@ -129,12 +141,15 @@ class GenerationService:
         queue_s = encode_s = transfer_s = 0.0
         cached = 0
         if images:
-            result = await self.coordinator.encode(images, deadline=req.deadline, grids=grids)
+            with trace.use_span(span):
+                result = await self.coordinator.encode(images, deadline=req.deadline, grids=grids)
             embedded = result.images
             cached = sum(result.cached)
             queue_s, encode_s, transfer_s = result.queue_seconds, result.encode_seconds, result.transfer_seconds
+        # vLLM traces only when the node does (the same endpoint), and warns when handed headers otherwise.
+        trace_headers = dict(trace_metadata(trace.set_span_in_context(span))) if self.tracing.enabled else None
         async for step in self._run_engine(prompt, sampling, embedded, req.request_id, cached,
-                                           t_start, (queue_s, encode_s, transfer_s)):
+                                           t_start, (queue_s, encode_s, transfer_s), trace_headers):
             yield step
 
     def _prepare(self, images: list[bytes], messages: list[dict[str, Any]],
@@ -169,7 +184,8 @@ class GenerationService:
 
     async def _run_engine(self, prompt: str, sampling: SamplingSpec, embedded: list[ImageEmbedding],
                           request_id: str, cached: int, t_start: float,
-                          coordinator_split: tuple[float, float, float]) -> AsyncIterator[Step]:
+                          coordinator_split: tuple[float, float, float],
+                          trace_headers: dict[str, str] | None = None) -> AsyncIterator[Step]:
         queue_s, encode_s, transfer_s = coordinator_split
         image_tokens = sum(int(e.embeds.shape[0]) for e in embedded)
         # The caller's id is theirs to reuse: two in flight with the same id never collide in vLLM.
@@ -178,7 +194,8 @@ class GenerationService:
         t_first: float | None = None
         completion = 0
         prompt_tokens = 0
-        async for d in self.engine.generate(prompt, sampling, images=embedded, request_id=engine_id):
+        async for d in self.engine.generate(prompt, sampling, images=embedded, request_id=engine_id,
+                                            trace_headers=trace_headers):
             now = time.monotonic()
             if t_first is None and d.token_ids:
                 t_first = now

@@ -24,6 +24,7 @@ from encdis.llm_node.engine import SamplingSpec
 from encdis.llm_node.generation import GenerationRequest, GenerationService
 from encdis.llm_node.prompt import user_message
 from encdis.llm_node.settings import LLMSettings
+from encdis.tracing import TRACE_KEYS
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ class GenerateServicer(llm_pb2_grpc.GenerateServiceServicer):
             sampling=sampling_from_request(request, self.settings.max_model_len),
             request_id=request_id,
             deadline=call_deadline(context),
+            trace_context=trace_headers(context.invocation_metadata()),
         )
         async for step in self.service.generate(req):
             msg = llm_pb2.GenerateResponse(text=step.text, token_ids=step.token_ids, request_id=request_id)
@@ -105,6 +107,11 @@ class GenerateServicer(llm_pb2_grpc.GenerateServiceServicer):
     async def ListEncoders(self, request: llm_pb2.ListEncodersRequest,
                            context: grpc.aio.ServicerContext) -> llm_pb2.ListEncodersResponse:
         return llm_pb2.ListEncodersResponse(encoders=[encoder_info(s) for s in self.coordinator.encoders()])
+
+
+def trace_headers(metadata) -> dict[str, str]:
+    """The caller's W3C trace context (traceparent, tracestate) from the call's metadata."""
+    return {k: v for k, v in (metadata or ()) if k in TRACE_KEYS and isinstance(v, str)}
 
 
 def encoder_info(status: EncoderStatus) -> llm_pb2.EncoderInfo:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -39,6 +40,7 @@ from encdis.llm_node.engine import SamplingSpec
 from encdis.llm_node.generation import GenerationRequest, GenerationService, Step
 from encdis.llm_node.media import MediaLoader
 from encdis.llm_node.settings import LLMSettings
+from encdis.tracing import TRACE_KEYS
 
 log = logging.getLogger(__name__)
 
@@ -301,6 +303,9 @@ def build_app(settings: LLMSettings, service: GenerationService, serving_state: 
                 raise Unavailable("the LLM node is draining; send the request to another node")
             slot = service.admission.take()  # before the body is read: a full node reads nothing
             req, gen = await front.parse(await front.read_body(request), slot)
+            # The caller's W3C trace context: the request's span joins its trace.
+            gen = dataclasses.replace(gen, trace_context={k: request.headers[k] for k in TRACE_KEYS
+                                                          if k in request.headers})
             if not req.stream:
                 return JSONResponse(await front.complete(req, gen))
             steps = aiter(service.generate(gen))

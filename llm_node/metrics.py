@@ -24,6 +24,10 @@ class LLMNodeMetrics:
         self.requests = Counter(
             "encdis_requests_total", "Generate requests by final status code", ["code"], registry=registry
         )
+        # Exported at 0 from the start, so rates of successes and of admission refusals exist
+        # (and alerts on them evaluate) before the first of either.
+        for code in ("OK", "RESOURCE_EXHAUSTED"):
+            self.requests.labels(code)
         self.in_flight = Gauge("encdis_requests_in_flight", "Generate requests being served", registry=registry)
         self.images = Counter("encdis_request_images_total", "Images received in Generate requests",
                               registry=registry)

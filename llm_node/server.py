@@ -34,6 +34,7 @@ from encdis.llm_node.prompt import PromptRenderer
 from encdis.llm_node.reaper import EngineReaper
 from encdis.llm_node.settings import LLMSettings
 from encdis.tls import ServerTLS, add_port
+from encdis.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ async def _serve(settings: LLMSettings, engine: EngineHost, exposure: Exposure) 
     metrics = LLMNodeMetrics(registry)
     coordinator = Coordinator.from_checkpoint(coordinator_settings, registry, settings.model,
                                               channel_security=exposure.encoder_security)
+    coordinator.tracing = tracing = Tracing.configured(settings.otlp_traces_endpoint, "encdis-llm")
     await coordinator.start()
     service = GenerationService(settings, engine, coordinator, PromptRenderer(settings.model), metrics)
     servicer = GenerateServicer(settings, service, coordinator)
@@ -171,5 +173,6 @@ async def _serve(settings: LLMSettings, engine: EngineHost, exposure: Exposure) 
         await health_server.stop(None)
     watcher.cancel()
     await coordinator.stop()
+    await tracing.shutdown()
     log.info("stopped")
     return ENGINE_DEAD_EXIT_CODE if engine_died.is_set() else 0

@@ -67,6 +67,7 @@ class LLMSettings:
     reflection: bool = True
     metrics_host: str | None = None  # None: --host
     health_port: int = -1  # plaintext grpc.health.v1 only, for probes that cannot speak TLS; -1 disables
+    otlp_traces_endpoint: str = ""  # OTLP gRPC collector (host:port) for encdis's and vLLM's spans; empty: off
     # The coordinator's knobs (encoder pool, trust, bounds, retries, cache); flat flags of their own.
     coordinator: CoordinatorSettings = field(default_factory=lambda: CoordinatorSettings(encoder_datatype="auto"))
 
@@ -141,6 +142,8 @@ _HELP = {
     "metrics_host": "address the metrics endpoint binds (empty: --host)",
     "health_port": "plaintext port serving only grpc.health.v1, for probes that cannot use TLS; "
                    "-1 disables, 0 picks one",
+    "otlp_traces_endpoint": "OpenTelemetry collector for traces (encdis's and vLLM's), OTLP over gRPC "
+                            "(host:port, http:// plaintext, https:// TLS); empty: tracing off",
     **coordinator_settings.HELP,
 }
 

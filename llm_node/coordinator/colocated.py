@@ -69,6 +69,9 @@ REOPEN_SECONDS = 30.0
 AUTO_BACKENDS = ("nccl",)
 # Receives waiting at once (each holds a thread while its bytes arrive).
 RECEIVE_THREADS = 32
+# Why an embedding left the co-located path (label values, all exported from the start at 0 so
+# rates over them exist before the first fallback).
+FALLBACK_REASONS = ("timeout", "peer_lost", "abandoned", "deadline", "closed")
 
 
 class ColocatedMetrics:
@@ -77,6 +80,8 @@ class ColocatedMetrics:
             "encdis_coordinator_colocated_fallbacks_total",
             "Embeddings whose co-located transfer failed and went again over gRPC or to another encoder, "
             "by reason (timeout, peer_lost, abandoned, deadline, closed)", ["reason"], registry=registry)
+        for reason in FALLBACK_REASONS:
+            self.fallbacks.labels(reason)
         self.embeddings = Counter("encdis_coordinator_colocated_embeddings_total",
                                   "Embeddings received over a co-located group", registry=registry)
         self.receiving = Gauge("encdis_coordinator_colocated_receiving",

@@ -41,6 +41,7 @@ from encdis.client.channels import ChannelSecurity
 from encdis.client.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from encdis.client.wire import content_digest
 from encdis.image_header import ImageHeader
+from encdis.tracing import Tracing, record_span
 
 from .colocated import ColocatedTransport
 from .dispatch import Dispatcher, RequestTiming
@@ -90,6 +91,7 @@ class Coordinator:
         self.pool: EncoderPool | None = None
         self._dispatcher: Dispatcher | None = None
         self.colocated: ColocatedTransport | None = None
+        self.tracing = Tracing()  # off; the node sets its own before start()
 
     @classmethod
     def from_checkpoint(cls, settings: CoordinatorSettings, registry: CollectorRegistry | None,
@@ -128,6 +130,7 @@ class Coordinator:
         self._dispatcher = Dispatcher(s, self.pool, self.cache, self.metrics, hidden_size=self.hidden_size,
                                       min_pixels=self.identity.min_pixels, max_pixels=self.identity.max_pixels,
                                       colocated=self.colocated)
+        self._dispatcher.tracing = self.tracing
         # Import transformers' smart_resize now, not inside the first request.
         await asyncio.to_thread(self._grid, 448, 448)
         await self.pool.start()
@@ -166,7 +169,22 @@ class Coordinator:
                      grids: Sequence[tuple[int, int, int]] | None = None) -> EncodeResult:
         """Embeddings of `images`, in order. Raises InvalidArgument (names the image), Unavailable,
         or DeadlineExceeded once `deadline` (time.monotonic() seconds; None: none) has passed.
-        `grids`: what image_grids(images) already gave, so no image is probed twice."""
+        `grids`: what image_grids(images) already gave, so no image is probed twice.
+        One span per request (a child of the caller's current span), one per image."""
+        tracer = self.tracing.tracer
+        attributes = {"encdis.images": len(images)}
+        with tracer.start_as_current_span("encdis.coordinator.encode", attributes=attributes) as span:
+            result = await self._encode(images, deadline, grids)
+            span.set_attributes({"encdis.cached_images": sum(result.cached), "encdis.retries": result.retries})
+            if span.is_recording():
+                for i, hit in enumerate(result.cached):
+                    if hit:  # the misses' spans come from the encoder calls (dispatch.py)
+                        record_span(tracer, span, "encdis.coordinator.image", span.start_time, time.time_ns(),
+                                    **{"encdis.image_index": i, "encdis.cache": "hit"})
+            return result
+
+    async def _encode(self, images: Sequence[bytes], deadline: float | None,
+                      grids: Sequence[tuple[int, int, int]] | None) -> EncodeResult:
         if self._dispatcher is None:
             raise Unavailable("the coordinator is not started")
         t0 = time.perf_counter()
@@ -213,13 +231,15 @@ class Coordinator:
                 except InvalidArgument as e:
                     raise InvalidArgument.for_image(i, e.message, reason=e.reason) from None
         self.metrics.cache_bytes.set(self.cache.size_bytes)
+        wall = time.perf_counter() - t0
+        self.metrics.request_embeddings_seconds.observe(wall)
         return EncodeResult(
             images=[r for r in results if r is not None],
             cached=cached,
             queue_seconds=timing.wait + timing.queue,
             encode_seconds=timing.encode,
             transfer_seconds=timing.transfer,
-            wall_seconds=time.perf_counter() - t0,
+            wall_seconds=wall,
             retries=timing.retries,
         )
 

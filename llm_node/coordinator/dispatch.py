@@ -43,6 +43,7 @@ from encdis.client.errors import (
     WireError,
 )
 from encdis.client.wire import DATATYPES, Embedding, ExpectedEmbedding
+from encdis.tracing import Tracing, record_span, trace_metadata
 
 from .assignment import assign
 from .colocated import ColocatedTransport
@@ -97,6 +98,7 @@ class Dispatcher:
         # the candidates' order per round spreads ties instead of favouring one encoder.
         self._rotation = 0
         self._random = random.Random()
+        self.tracing = Tracing()  # off until the node sets its own (encdis/tracing.py)
 
     async def run(self, images: Sequence[bytes], remaining: dict[int, PendingImage], timing: RequestTiming,
                   deadline: float | None = None) -> None:
@@ -234,8 +236,23 @@ class Dispatcher:
     async def _call(self, h: EncoderHandle, images: Sequence[bytes], jobs: list[PendingImage],
                     remaining: dict[int, PendingImage], timing: RequestTiming,
                     deadline: float | None) -> _CallFailure | None:
+        """One Encode stream to `h` in its own span (the encoder's spans are its children)."""
+        with self.tracing.tracer.start_as_current_span("encdis.coordinator.encode_call", attributes={
+                "encdis.encoder": h.address, "encdis.images": len(jobs),
+                "encdis.patches": sum(j.patches for j in jobs)}) as span:
+            t0 = time.monotonic()
+            failure = await self._attempt(h, images, jobs, remaining, timing, deadline, span)
+            span.set_attribute("encdis.actual_seconds", time.monotonic() - t0)
+            if failure is not None:
+                span.set_attribute("encdis.failure", f"{failure.error.code.name}: {failure.error.message}")
+            return failure
+
+    async def _attempt(self, h: EncoderHandle, images: Sequence[bytes], jobs: list[PendingImage],
+                       remaining: dict[int, PendingImage], timing: RequestTiming,
+                       deadline: float | None, span) -> _CallFailure | None:
         """One Encode stream to `h`; None on success, a _CallFailure when others should retry."""
         timeout, predicted, by_caller = self.attempt_timeout(h, jobs, deadline)
+        span.set_attribute("encdis.predicted_seconds", predicted)
         datatype = self.pool.identity.datatype  # every encoder in the pool matched it (identity.py)
         tickets = []
         for j in jobs:
@@ -251,6 +268,7 @@ class Dispatcher:
                 expected=[ExpectedEmbedding(j.rows, self.hidden_size, datatype or "", j.patches) for j in jobs],
                 on_embedding_bytes=self.metrics.embedding_bytes_received.inc,
                 colocated=self.colocated.receiver(h) if self.colocated is not None else None,
+                metadata=trace_metadata(),  # this call's span, as W3C trace context
             )
             async with contextlib.aclosing(stream):  # cancel the RPC at once if we stop reading
                 async for emb in stream:
@@ -264,6 +282,11 @@ class Dispatcher:
                     remaining.pop(job.index, None)
                     self.cache.fulfil(entry)
                     timing.queue = max(timing.queue, emb.queue_seconds)
+                    if span.is_recording():
+                        record_span(self.tracing.tracer, span, "encdis.coordinator.image", span.start_time,
+                                    time.time_ns(), **{"encdis.image_index": job.index, "encdis.cache": "miss",
+                                                       "encdis.encoder": h.address, "encdis.patches": job.patches,
+                                                       "encdis.queue_seconds": emb.queue_seconds})
                     if emb.batch is not None:
                         timing.encode = max(timing.encode, emb.batch.seconds)
                         # Each image of a batch reports it; the cost model counts a batch once.

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 FAULT_KINDS = ("bad_embedding", "timeout", "busy")
+# Seconds; from a cache hit (microseconds) to a queue of 4K images (tens of seconds).
+EMBEDDINGS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class CoordinatorMetrics:
@@ -29,6 +31,12 @@ class CoordinatorMetrics:
             "Encode calls that went wrong on the encoder's side, by kind: bad_embedding (it sent other "
             "than what was asked: quarantined), timeout (past its predicted-cost bound: slow), busy "
             "(RESOURCE_EXHAUSTED)", ["encoder", "kind"], registry=registry)
+        # Prefill cannot start before the last of a request's images is embedded: the wait that
+        # matters to time-to-first-token is until all of them are in hand.
+        self.request_embeddings_seconds = Histogram(
+            "encdis_coordinator_request_embeddings_seconds",
+            "From a request's images reaching the coordinator to all their embeddings in hand (cache or encoders)",
+            buckets=EMBEDDINGS_BUCKETS, registry=registry)
         self.cache_bytes = Gauge("encdis_coordinator_cache_bytes", "Bytes held by the embedding cache",
                                  registry=registry)
         # Counted once per embedding as the coordinator receives it, whatever the engine's TP size.

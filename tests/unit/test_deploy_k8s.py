@@ -27,6 +27,7 @@ from tests.needs import require_tool
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 DOCKERFILE = K8S.parent / "Dockerfile"
+RULES = K8S.parent / "prometheus" / "encdis-rules.yml"
 KUSTOMIZATIONS = [K8S, K8S / "prometheus-adapter"]
 # The newest schemas kubernetes-validate ships, and an older release still in wide use.
 K8S_VERSIONS = sorted({kubernetes_validate.latest_version(), "1.32.0"})
@@ -222,8 +223,13 @@ def test_hpa_metric_is_exported_by_the_encoder_and_the_adapter(rendered: dict) -
     assert families.get(HPA_METRIC) == "gauge", f"the encoder exports {sorted(families)}"
     cm = rendered[("ConfigMap", "prometheus-adapter-encdis")]
     [rule] = yaml.safe_load(cm["data"]["config.yaml"])["rules"]
-    assert re.match(rf"{HPA_METRIC}\{{", rule["seriesQuery"])
-    assert re.fullmatch(rule["name"]["matches"], HPA_METRIC)
+    # The adapter reads the recording rule (deploy/prometheus) made from the encoder's gauge.
+    recorded = re.match(r"([a-z0-9_:]+)\{", rule["seriesQuery"]).group(1)
+    rules = yaml.safe_load(RULES.read_text())
+    exprs = {r["record"]: r["expr"] for g in rules["groups"] for r in g["rules"] if "record" in r}
+    assert recorded in exprs, f"{recorded} is not a recording rule of {RULES.name}"
+    assert re.search(rf"\b{HPA_METRIC}\b", exprs[recorded]), exprs[recorded]
+    assert re.fullmatch(rule["name"]["matches"], recorded)
     assert rule["name"]["as"] == HPA_METRIC
     # The HPA asks for a per-pod metric: the rule maps the series to pods and namespaces.
     assert rule["resources"]["overrides"]["pod"] == {"resource": "pod"}
