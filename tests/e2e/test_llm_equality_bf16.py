@@ -4,8 +4,10 @@ Real processes on loopback: two encoder nodes in bf16 (`--tower-impl auto`: vLLM
 vision tower below float32), one LLM node in bf16, and vLLM's monolithic run in bf16 on the
 same checkpoint with the raw image bytes as the reference. Greedy token ids must be equal:
 for one image, for text only, and for three mixed images in one request (a large JPEG, a
-grey PNG, a wide PNG: the case transformers' tower, rounding otherwise than vLLM's, got
-wrong from the fourth token on). bench/fidelity.py measures vLLM's own noise floor across
+grey PNG, a wide PNG). With transformers' tower instead (`--tower-impl transformers`
+on the encoders, `--encoder-tower-impl transformers` on the LLM node), which rounds otherwise
+than vLLM's in bf16, these very cases differ: one image from the first token, the mixed
+three from the sixth; text only stays equal. bench/fidelity.py measures vLLM's own noise floor across
 batch shapes: here vLLM agrees with itself on every one of its 40 prompts in bf16, so
 equality is asserted, not a floor.
 """
