@@ -37,6 +37,8 @@ from encdis.launcher import READY_PREFIX
 log = logging.getLogger(__name__)
 
 INTERNAL_MESSAGE = "internal error (details are in the node's log)"
+HEALTH_PORT_MAX_REQUEST_BYTES = 4096
+HEALTH_PORT_MAX_CALLS = 256
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
@@ -193,7 +195,10 @@ async def start_health_port(health: HealthState, host: str, port: int) -> tuple[
     for probes that cannot use the node's TLS port."""
     if port < 0:
         return None, None
-    server = grpc.aio.server()
+    # A health request is a service name: anything larger is refused unread. Watches are
+    # long-lived, so calls are capped too (a probe holds one at most).
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", HEALTH_PORT_MAX_REQUEST_BYTES)],
+                             maximum_concurrent_rpcs=HEALTH_PORT_MAX_CALLS)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
     if bound == 0:

@@ -16,7 +16,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from encdis import sd_notify
 from encdis.client.errors import InvalidArgument, Unauthenticated, Unavailable
 from encdis.client.pb import encoder_pb2, encoder_pb2_grpc
-from encdis.serving import INTERNAL_MESSAGE, ErrorMappingInterceptor, add_health_and_reflection
+from encdis.serving import (
+    HEALTH_PORT_MAX_REQUEST_BYTES,
+    INTERNAL_MESSAGE,
+    ErrorMappingInterceptor,
+    add_health_and_reflection,
+    start_health_port,
+)
 
 SERVICE = "encdis.encoder.v1.EncoderService"
 
@@ -91,6 +97,22 @@ async def test_health_starts_not_serving_and_follows_state(server):
     await health.set_not_serving()
     r = await stub.Check(health_pb2.HealthCheckRequest(service=""))
     assert r.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def test_the_health_port_answers_probes_and_refuses_large_requests_unread(server):
+    _, health, _ = server
+    port_server, port = await start_health_port(health, "127.0.0.1", 0)
+    try:
+        await health.set_serving()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            r = await stub.Check(health_pb2.HealthCheckRequest(service=SERVICE))
+            assert r.status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Check(health_pb2.HealthCheckRequest(service="x" * HEALTH_PORT_MAX_REQUEST_BYTES))
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        await port_server.stop(None)
 
 
 @pytest.mark.parametrize("abstract", [False, True])
