@@ -1,5 +1,6 @@
 """Encoder node: a gRPC EncoderService running one Qwen2.5-VL vision tower.
 
 settings (flags + env) -> tower (weights) + preprocess (image processor) -> batcher
-(one varlen forward per batch) -> servicer (proto <-> domain) -> server (wiring).
+(one varlen forward per batch) -> servicer (proto <-> domain) -> server (wiring);
+load_report serves the batcher's load as ORCA reports (OpenRcaService/StreamCoreMetrics).
 """

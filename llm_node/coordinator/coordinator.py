@@ -121,6 +121,9 @@ class Coordinator:
             channel_options=keepalive_options(s.keepalive_time_seconds, s.keepalive_timeout_seconds),
             channel_security=self.channel_security,
             on_described=self.colocated.on_described if s.colocated != "off" else None,
+            load_reports=s.load_reports == "on",
+            report_interval=s.load_report_interval_seconds,
+            report_max_age=s.load_report_max_age_seconds,
         )
         self._dispatcher = Dispatcher(s, self.pool, self.cache, self.metrics, hidden_size=self.hidden_size,
                                       min_pixels=self.identity.min_pixels, max_pixels=self.identity.max_pixels,

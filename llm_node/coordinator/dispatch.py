@@ -50,6 +50,7 @@ from .colocated_link import ColocatedFailure
 from .embedding_cache import EmbeddingCache
 from .expectation import PendingImage, embedding_mismatch
 from .handle import EncoderHandle, EncoderState
+from .hedging import CallProgress, Hedger
 from .metrics import CoordinatorMetrics
 from .pool import EncoderPool
 from .records import ImageEmbedding
@@ -97,6 +98,7 @@ class Dispatcher:
         # the candidates' order per round spreads ties instead of favouring one encoder.
         self._rotation = 0
         self._random = random.Random()
+        self.hedger = Hedger(settings, pool, metrics)
 
     async def run(self, images: Sequence[bytes], remaining: dict[int, PendingImage], timing: RequestTiming,
                   deadline: float | None = None) -> None:
@@ -122,7 +124,7 @@ class Dispatcher:
             for h, _ in calls:
                 self.pool.acquire(h)
             try:
-                outcomes = await _run_all([self._call(h, images, group, remaining, timing, deadline)
+                outcomes = await _run_all([self._attempt(h, images, group, remaining, timing, deadline, excluded)
                                            for h, group in calls])
             finally:
                 for h, _ in calls:
@@ -231,18 +233,49 @@ class Dispatcher:
         finally:
             timing.wait += time.monotonic() - t0
 
+    async def _attempt(self, h: EncoderHandle, images: Sequence[bytes], jobs: list[PendingImage],
+                       remaining: dict[int, PendingImage], timing: RequestTiming, deadline: float | None,
+                       excluded: set[str]) -> _CallFailure | None:
+        """One call to `h`, hedged when it straggles (hedging.Hedger); None once every image is in."""
+        def call(target: EncoderHandle, group: list[PendingImage], progress: CallProgress,
+                 first_attempt: bool):
+            return self._call(target, images, group, remaining, timing, deadline, progress,
+                              first_attempt=first_attempt)
+
+        if self.settings.hedge != "on":
+            return await call(h, jobs, CallProgress(), True)
+        failure, missing = await self.hedger.run(h, jobs, remaining, excluded, call)
+        if missing and failure is None:
+            return _CallFailure(h, Unavailable("no attempt delivered every image"), jobs)
+        return failure if missing else None
+
     async def _call(self, h: EncoderHandle, images: Sequence[bytes], jobs: list[PendingImage],
                     remaining: dict[int, PendingImage], timing: RequestTiming,
-                    deadline: float | None) -> _CallFailure | None:
-        """One Encode stream to `h`; None on success, a _CallFailure when others should retry."""
+                    deadline: float | None, progress: CallProgress | None = None,
+                    *, first_attempt: bool = True) -> _CallFailure | None:
+        """One Encode stream to `h`; None on success, a _CallFailure when others should retry.
+
+        Images another attempt delivered meanwhile (no longer in `remaining`) are checked and
+        dropped."""
+        progress = progress if progress is not None else CallProgress()
         timeout, predicted, by_caller = self.attempt_timeout(h, jobs, deadline)
         datatype = self.pool.identity.datatype  # every encoder in the pool matched it (identity.py)
+        fitted = h.cost_model.observations > 0  # only then is a prediction worth learning from
+        costs = [h.cost_model.predict(j.patches) for j in jobs]
+        finish = predicted - sum(costs)
+        progress.finishes = []
+        for c in costs:
+            finish += c
+            progress.finishes.append(finish)
+        progress.sent_at = time.monotonic()
         tickets = []
         for j in jobs:
             tickets.append(self.pool.add_work(h, j.patches))
             self.metrics.assignments.labels(h.address).inc()
             self.metrics.assigned_patches.labels(h.address).inc(j.patches)
-        done: set[int] = set()
+            if first_attempt:
+                self.hedger.budget.sent(j.patches, progress.sent_at)
+        done = progress.delivered
         try:
             stream = h.client.encode_iter(
                 [bytes(images[j.index]) for j in jobs], min_pixels=self.min_pixels, max_pixels=self.max_pixels,
@@ -261,7 +294,13 @@ class Dispatcher:
                     timing.transfer = max(timing.transfer, emb.receive_seconds + time.perf_counter() - t0)
                     done.add(pos)
                     self.pool.complete_work(tickets[pos])
-                    remaining.pop(job.index, None)
+                    if fitted:
+                        error = time.monotonic() - progress.sent_at - progress.finishes[pos]
+                        self.pool.observe_finish(h, progress.finishes[pos], progress.finishes[pos] + error)
+                        self.hedger.errors.observe(error)
+                    if remaining.pop(job.index, None) is None:
+                        continue  # another attempt (a hedge) delivered it first
+                    progress.fulfilled.add(pos)
                     self.cache.fulfil(entry)
                     timing.queue = max(timing.queue, emb.queue_seconds)
                     if emb.batch is not None:
