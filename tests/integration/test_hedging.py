@@ -63,13 +63,13 @@ async def test_images_on_a_frozen_encoder_complete_from_the_other_and_the_stragg
         await wait_for(lambda: len(coord.pool.serving()) == 2, what="both encoders serving")
         for i in range(6):  # fit both cost models and the prediction errors
             await coord.encode([png(150 + 14 * i, 150, seed=800 + i), png(150, 160 + 14 * i, seed=900 + i)])
-        cancelled_before = await asyncio.to_thread(cancelled_calls, victim)
         images = [[png(180, 180 + 14 * i, seed=1000 + i), png(190 + 14 * i, 180, seed=1100 + i)] for i in range(4)]
         os.kill(victim.pid, signal.SIGSTOP)
         try:
-            results = []
-            for request in images:  # both encoders idle: the first request puts one image on each
-                results.append(await coord.encode(request))
+            # At once: the other encoder's backlog grows past anything the victim's history
+            # holds against it, so the victim gets images; they wait, and are hedged once the
+            # other's predicted finish is below the time they have waited.
+            results = await asyncio.gather(*(coord.encode(request) for request in images))
         finally:
             os.kill(victim.pid, signal.SIGCONT)
         r = coord.registry
@@ -90,6 +90,33 @@ async def test_images_on_a_frozen_encoder_complete_from_the_other_and_the_stragg
                     torch.testing.assert_close(got.embeds, torch.from_numpy(want.array().copy()))
         finally:
             await client.close()
-    # Thawed, the stopped encoder sees the cancellation of the call it never answered.
-    await wait_for(lambda: cancelled_calls(victim) > cancelled_before, timeout=60,
-                   what="the thawed encoder counting a cancelled call")
+
+
+async def test_an_encoder_drops_a_cancelled_calls_images_that_have_not_started(two, tiny_ckpt) -> None:
+    """What a hedge's loser sees: its call cancelled while queued, its image never encoded."""
+    node = two[1]
+    dropped_before = await asyncio.to_thread(node.metric, "encdis_encoder_dropped_images_total")
+    prepared_before = await asyncio.to_thread(node.metric, "encdis_encoder_preprocess_seconds_count")
+    cancelled_before = await asyncio.to_thread(cancelled_calls, node)
+    busy = AsyncEncoderClient(node.address)
+    waiting = AsyncEncoderClient(node.address)
+    try:
+        # Three forwards' worth of patches (16384 per forward by default): the next image queues behind.
+        ahead = asyncio.ensure_future(busy.encode([png(448, 448, seed=2000 + i) for i in range(48)],
+                                                  min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS))
+        await wait_for(lambda: node.metric("encdis_encoder_preprocess_seconds_count") >= prepared_before + 48,
+                       what="the first call's images queued")
+        behind = asyncio.ensure_future(waiting.encode([png(100, 100, seed=2100)], min_pixels=MIN_PIXELS,
+                                                      max_pixels=MAX_PIXELS))
+        # Preprocessed means queued: the servicer submits it to the batcher right after.
+        await wait_for(lambda: node.metric("encdis_encoder_preprocess_seconds_count") >= prepared_before + 49,
+                       what="the second call's image queued")
+        behind.cancel()
+        await asyncio.gather(behind, return_exceptions=True)
+        await ahead
+    finally:
+        await busy.close()
+        await waiting.close()
+    await wait_for(lambda: node.metric("encdis_encoder_dropped_images_total") > dropped_before,
+                   what="the cancelled image dropped from the queue")
+    assert cancelled_calls(node) > cancelled_before

@@ -111,9 +111,36 @@ async def test_a_coordinator_sends_its_images_past_an_encoder_another_coordinato
     on_busy, on_idle = await images_to(busy, idle, tiny_ckpt, "on", seed=10_000)
     assert on_busy + on_idle == 16
     assert on_busy <= 3, f"with load reports, B still sent {on_busy} of 16 images to the busy encoder"
-    off_busy, off_idle = await images_to(busy, idle, tiny_ckpt, "off", seed=20_000)
-    # Without reports B sees both idle between its own requests: ties rotate, both get work.
-    assert off_busy >= 5, f"without load reports B sent only {off_busy} of 16 images to the busy encoder"
+
+
+@pytest.mark.parametrize("load_reports", ["on", "off"])
+async def test_an_encoder_reporting_a_long_queue_gets_work_only_without_load_reports(
+        two, tiny_ckpt, load_reports) -> None:
+    """The same contrast, exact: a fake encoder whose every report says 100 s of queued work
+    (as another LLM node's load would), beside a real idle one."""
+    fake = await FakeEncoder(tiny_ckpt).start()
+    fake.report_drain_seconds = 100.0
+    fake.report_queued_patches = 100_000.0
+    real = two[1]
+    try:
+        async with coordinator(tiny_ckpt, [fake.address, real.address], load_reports=load_reports,
+                               hedge="off") as coord:
+            await wait_for(lambda: len(coord.pool.serving()) == 2, what="both serving")
+            if load_reports == "on":
+                await wait_for(lambda: all(h.reports.latest is not None for h in coord.pool.encoders()),
+                               what="reports from both")
+            else:
+                assert all(h.reports is None for h in coord.pool.encoders())  # no report stream opened
+            for i in range(16):
+                await coord.encode([png(200, 200, seed=700 + i)])
+            to_fake = metric(coord.registry, "encdis_coordinator_assignments_total", encoder=fake.address)
+            if load_reports == "on":
+                assert to_fake == 0, f"the encoder reporting 100 s of queue got {to_fake} of 16 images"
+            else:
+                # Its own view only: the fake (which claims fast batches) looks as free as the real one.
+                assert to_fake >= 4, f"without load reports the fake got only {to_fake} of 16 images"
+    finally:
+        await fake.stop()
 
 
 async def test_a_hung_report_stream_ages_out_and_no_request_waits_for_it(tiny_ckpt) -> None:
