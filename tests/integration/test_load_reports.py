@@ -18,7 +18,9 @@ from google.protobuf import duration_pb2
 from xds.data.orca.v3 import orca_load_report_pb2
 from xds.service.orca.v3 import orca_pb2
 
+from encdis.client.generate_client import EncoderInfo
 from encdis.launcher import NodeProcess
+from encdis.llm_node.grpc_front import encoder_info
 from tests.fake_encoder import FakeEncoder
 from tests.integration.test_coordinator import NODE_TIMEOUT, coordinator, encoder_args, metric, png, wait_for
 
@@ -132,6 +134,7 @@ async def test_an_encoder_reporting_a_long_queue_gets_work_only_without_load_rep
                                what="reports from both")
             else:
                 assert all(h.reports is None for h in coord.pool.encoders())  # no report stream opened
+                assert not any(s.has_report for s in coord.encoders())
             for i in range(16):
                 await coord.encode([png(200, 200, seed=700 + i)])
             to_fake = metric(coord.registry, "encdis_coordinator_assignments_total", encoder=fake.address)
@@ -158,6 +161,11 @@ async def test_a_hung_report_stream_ages_out_and_no_request_waits_for_it(tiny_ck
             assert coord.pool.backlog_seconds(h) > 50  # the report counts while fresh
             await wait_for(lambda: coord.pool.backlog_seconds(h) < 1.0, what="the report aging out")
             assert h.reports.latest.received_at == received  # no newer report came: it aged out
+            # ListEncoders (and the SDK) show that last report and how old it is.
+            shown = EncoderInfo.from_proto(encoder_info(coord.encoders()[0]))
+            assert shown.report is not None and shown.report["drain_seconds"] == 100.0
+            assert shown.report["queued_patches"] == 50_000.0
+            assert shown.report_age_seconds > 0.5
             # The stream is still open and silent; a request goes through without waiting on it.
             result = await coord.encode([png(120, 120, seed=1)])
             assert len(result.images) == 1
