@@ -18,8 +18,9 @@ Policies (the same arrivals, sizes and noise for each):
     oracle       every encoder's exact queue now, priced with its true coefficients
 
 Pool: E encoders, one of them half speed. Freeze cells: that encoder stops for 2 s every 20 s
-(a GC pause, a noisy neighbour), where hedging must earn its keep; they run 25 s of arrivals
-(two freezes), at 5 ms report delay and load 0.85 only, K 1 and 8 (their runs are long).
+(a GC pause, a noisy neighbour; it sends no reports meanwhile), where hedging must earn its
+keep; they run 25 s of arrivals (two freezes), at 5 ms report delay and load 0.85 only, K 1
+and 8 (their runs are long).
 
 p99 of encode latency (arrival to last image ready) in units of the mean image's cost.
 
@@ -61,6 +62,7 @@ DELAY_BLIND = ("round_robin", "own_view", "oracle")  # they read no reports
 FREEZE_EVERY, FREEZE_FOR, FIRST_FREEZE = 20.0, 2.0, 1.0
 FREEZE_SPAN = 25.0  # seconds of arrivals in a freeze cell: two freezes
 HEDGE_CHECK, HEDGE_BUDGET, HEDGE_FLOOR = 0.25, 0.05, 0.0
+REPORT_MAX_AGE = 1.0  # --load-report-max-age-seconds: older reports count for nothing
 
 
 class Encoder:
@@ -109,6 +111,14 @@ def frozen_extension(start: float, seconds: float) -> float:
         elif t < b:
             t = b
         k += 1
+
+
+def last_report_before(t: float) -> float:
+    """A frozen encoder sends no reports: the time of its last report made at or before t."""
+    if t < FIRST_FREEZE:
+        return t
+    a = FIRST_FREEZE + math.floor((t - FIRST_FREEZE) / FREEZE_EVERY) * FREEZE_EVERY
+    return a if t < a + FREEZE_FOR else t
 
 
 def simulate(k_nodes: int, speeds: list[float], load: float, policy: str, delay: float, requests: int,
@@ -170,10 +180,13 @@ def simulate(k_nodes: int, speeds: list[float], load: float, policy: str, delay:
             return own
         if policy == "oracle":
             return encs[e].work_left(t)
-        report_time = t - delay
-        report = LoadReport(0.0, 0.0, encs[e].drain_at(report_time), 0.0, received_at=report_time)
+        made = t - delay
+        if encs[e].freezes:
+            made = min(made, last_report_before(made))
+        report = LoadReport(0.0, 0.0, encs[e].drain_at(made), 0.0, received_at=made + delay)
+        report_time = made + delay
         after = backlogs[node].outstanding_since(e, report_time)
-        return predicted_backlog(report, own, after, models[node][e], t, 1.0, 0.0)
+        return predicted_backlog(report, own, after, models[node][e], t, REPORT_MAX_AGE, 0.0)
 
     def send(node: int, img: int, e: int, t: float, hedge: bool) -> None:
         nonlocal sent_patches, hedged_patches
