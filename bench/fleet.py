@@ -184,8 +184,8 @@ def simulate(k_nodes: int, speeds: list[float], load: float, policy: str, delay:
         if encs[e].freezes:
             made = min(made, last_report_before(made))
         report = LoadReport(0.0, 0.0, encs[e].drain_at(made), 0.0, received_at=made + delay)
-        report_time = made + delay
-        after = backlogs[node].outstanding_since(e, report_time)
+        # What the report cannot hold yet: our images sent after it was made.
+        after = backlogs[node].outstanding_since(e, made)
         return predicted_backlog(report, own, after, models[node][e], t, REPORT_MAX_AGE, 0.0)
 
     def send(node: int, img: int, e: int, t: float, hedge: bool) -> None:
