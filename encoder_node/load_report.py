@@ -64,12 +64,19 @@ class LoadReportService:
     def __init__(self, metrics: EncoderMetrics) -> None:
         self.metrics = metrics
         self.batcher: Batcher | None = None  # set once the model is loaded
+        self._closed = asyncio.Event()  # set: every report stream ends (the node is stopping)
+
+    def close(self) -> None:
+        """End every report stream now, so a stopping server need not wait out its grace for them."""
+        self._closed.set()
 
     async def StreamCoreMetrics(self, request: orca_pb2.OrcaLoadReportRequest,
                                 context: grpc.aio.ServicerContext) -> AsyncIterator[
                                     orca_load_report_pb2.OrcaLoadReport]:
         interval = report_interval(request)
         while self.batcher is None:  # loading: nothing to report yet, the stream stays open
+            if self._closed.is_set():
+                return
             await asyncio.sleep(interval)
         batcher = self.batcher
         changed = asyncio.Event()
@@ -92,10 +99,15 @@ class LoadReportService:
                 changed.clear()
                 self.metrics.load_reports.inc()
                 yield load_report(batcher, utilization, now)
+                closing = asyncio.ensure_future(self._closed.wait())
+                change = asyncio.ensure_future(changed.wait())
                 try:
-                    await asyncio.wait_for(changed.wait(), interval)
-                except (TimeoutError, asyncio.TimeoutError):
-                    pass
+                    await asyncio.wait({closing, change}, timeout=interval, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    closing.cancel()
+                    change.cancel()
+                if self._closed.is_set():
+                    return
         finally:
             batcher.remove_listener(on_change)
 

@@ -143,6 +143,7 @@ class EncoderNode:
         await self.stop(grace=1.0)
 
     async def stop(self, grace: float | None = None) -> None:
+        self.load_reports.close()
         if self.server is not None:
             await self.server.stop(grace)
         self.servicer.colocated.close_all()

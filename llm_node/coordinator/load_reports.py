@@ -89,13 +89,11 @@ class Lateness:
         return self._seconds * 0.5 ** (max(0.0, now - self._at) / LATENESS_HALF_LIFE_SECONDS)
 
     def observe(self, late_seconds: float, now: float) -> None:
-        """A call finished `late_seconds` past (negative: before) its prediction. A new worst
-        counts at once; calls on time bring it down gradually (and time does)."""
+        """A call finished `late_seconds` past (negative: before) its prediction. A moving
+        average: one late call (a pause of the host) counts for a third, calls late again and
+        again add up to their lateness; calls on time bring it down, and so does time."""
         current = self.seconds(now)
-        if late_seconds > current:
-            self._seconds = late_seconds
-        else:
-            self._seconds = max(0.0, 0.7 * current + 0.3 * late_seconds)
+        self._seconds = max(0.0, 0.7 * current + 0.3 * late_seconds)
         self._at = now
 
 

@@ -176,7 +176,7 @@ async def test_a_hung_report_stream_ages_out_and_no_request_waits_for_it(tiny_ck
 
 async def test_an_encoder_reporting_idle_but_answering_late_gets_a_bounded_share(two, tiny_ckpt) -> None:
     fake = await FakeEncoder(tiny_ckpt).start()
-    fake.stall_after_header = 0.6  # answers late, while its reports always say idle
+    fake.stall_after_header = 1.0  # answers late, while its reports always say idle
     real = two[1]
     try:
         async with coordinator(tiny_ckpt, [fake.address, real.address], hedge="off") as coord:
@@ -189,7 +189,7 @@ async def test_an_encoder_reporting_idle_but_answering_late_gets_a_bounded_share
             for i in range(20):
                 await coord.encode([png(200, 200, seed=500 + i)])
             to_fake = metric(coord.registry, "encdis_coordinator_assignments_total", encoder=fake.address) - before
-            assert to_fake <= 4, f"the late encoder that reports idle got {to_fake} of 20 images"
+            assert to_fake <= 5, f"the late encoder that reports idle got {to_fake} of 20 images"
     finally:
         with contextlib.suppress(Exception):
             await fake.stop()
