@@ -51,6 +51,14 @@ class BatchInfo:
 
 
 @dataclass(frozen=True)
+class AcceptedBacklog:
+    """The encoder's load when it accepted the call: predicted seconds to drain, patches queued."""
+
+    seconds: float
+    queued_patches: int
+
+
+@dataclass(frozen=True)
 class Embedding:
     """One image's vision-tower output as received: raw bytes plus what they mean."""
 
@@ -62,6 +70,7 @@ class Embedding:
     digest: str
     batch: BatchInfo | None = None
     queue_seconds: float = 0.0
+    accepted_backlog: AcceptedBacklog | None = None  # the node's load when it took the call
     # Measured by the receiver: from its header's arrival to its last chunk's.
     receive_seconds: float = 0.0
 
@@ -115,5 +124,7 @@ def embedding_of(h: encoder_pb2.EmbeddingHeader, data: memoryview, receive_secon
         digest=h.digest,
         batch=batch,
         queue_seconds=h.queue_seconds,
+        accepted_backlog=(AcceptedBacklog(h.accepted_backlog_seconds, h.accepted_queued_patches)
+                          if h.has_accepted_backlog else None),
         receive_seconds=receive_seconds,
     )

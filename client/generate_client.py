@@ -116,12 +116,20 @@ class EncoderInfo:
     backoff_seconds: float  # length of its current penalty (quarantined, slow); 0 when none
     faults: int  # consecutive faults behind that penalty
     backoff_remaining_seconds: float  # until it is probed again
+    # Its last ORCA load report as the coordinator holds it (None: none received) and its age.
+    report: dict[str, float] | None = None
+    report_age_seconds: float = 0.0
+    lateness_seconds: float = 0.0  # how late its calls recently finished past their prediction
 
     @classmethod
     def from_proto(cls, e: llm_pb2.EncoderInfo) -> EncoderInfo:
+        report = ({"queued_patches": e.report_queued_patches, "images_in_flight": e.report_images_in_flight,
+                   "drain_seconds": e.report_drain_seconds, "utilization": e.report_utilization}
+                  if e.has_report else None)
         return cls(e.address, e.name, e.state, e.reason, e.backlog_seconds, e.backlog_patches,
                    e.patches_per_second, e.assigned_patches, e.assigned_images, e.backoff_seconds, e.faults,
-                   e.backoff_remaining_seconds)
+                   e.backoff_remaining_seconds, report, e.report_age_seconds if e.has_report else 0.0,
+                   e.lateness_seconds)
 
 
 def generate_request(

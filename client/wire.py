@@ -28,6 +28,7 @@ from google.protobuf.message import DecodeError
 from encdis.client.chunk_frames import chunk_frame, header_frame, parse_chunk_frame, parse_header_frame
 from encdis.client.embedding import (
     DATATYPES,
+    AcceptedBacklog,
     BatchInfo,
     Datatype,
     Embedding,
@@ -42,10 +43,11 @@ from encdis.client.pb import encoder_pb2
 
 # The embedding types are part of this module's interface (encdis.client.embedding holds them).
 __all__ = [
-    "DATATYPES", "DEFAULT_MAX_CHUNK_BYTES", "BatchInfo", "ChunkCopy", "Datatype", "Embedding", "EmbeddingAssembler",
+    "DATATYPES", "DEFAULT_MAX_CHUNK_BYTES", "AcceptedBacklog", "BatchInfo", "ChunkCopy", "Datatype", "Embedding",
+    "EmbeddingAssembler",
     "ExpectedEmbedding", "StreamDecoder", "check_header", "chunk_bytes", "content_digest", "datatype",
     "datatype_of_torch", "decode_array", "decode_stream", "embedding_frames", "embedding_messages", "embedding_of",
-    "itemsize", "serialize_response", "TOWER_IMPLS",
+    "itemsize", "serialize_response", "set_accepted_backlog", "TOWER_IMPLS",
 ]
 
 DEFAULT_MAX_CHUNK_BYTES = 4 * 1024 * 1024
@@ -89,7 +91,8 @@ def chunk_bytes(data: bytes | memoryview, max_chunk_bytes: int) -> Iterator[memo
 
 def _embedding_header(*, image_index: int, grid_thw: tuple[int, int, int], datatype: str, shape: tuple[int, int],
                       data: bytes | memoryview, digest: str, max_chunk_bytes: int, batch: BatchInfo | None,
-                      queue_seconds: float) -> tuple[encoder_pb2.EmbeddingHeader, list[memoryview]]:
+                      queue_seconds: float, accepted_backlog: AcceptedBacklog | None = None,
+                      ) -> tuple[encoder_pb2.EmbeddingHeader, list[memoryview]]:
     """The header of one image's embedding and the views its chunks carry (no bytes copied)."""
     expected = shape[0] * shape[1] * itemsize(datatype)
     view = memoryview(data).cast("B")
@@ -110,7 +113,15 @@ def _embedding_header(*, image_index: int, grid_thw: tuple[int, int, int], datat
     if batch is not None:
         header.batch.seconds = batch.seconds
         header.batch.image_patches.extend(batch.image_patches)
+    set_accepted_backlog(header, accepted_backlog)
     return header, chunks
+
+
+def set_accepted_backlog(header: encoder_pb2.EmbeddingHeader, backlog: AcceptedBacklog | None) -> None:
+    if backlog is not None:
+        header.has_accepted_backlog = True
+        header.accepted_backlog_seconds = backlog.seconds
+        header.accepted_queued_patches = backlog.queued_patches
 
 
 def embedding_messages(
@@ -124,11 +135,12 @@ def embedding_messages(
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
     batch: BatchInfo | None = None,
     queue_seconds: float = 0.0,
+    accepted_backlog: AcceptedBacklog | None = None,
 ) -> Iterator[encoder_pb2.EncodeResponse]:
     """The header, then the chunks, of one image's embedding, as protobuf messages."""
     header, chunks = _embedding_header(image_index=image_index, grid_thw=grid_thw, datatype=datatype, shape=shape,
                                        data=data, digest=digest, max_chunk_bytes=max_chunk_bytes, batch=batch,
-                                       queue_seconds=queue_seconds)
+                                       queue_seconds=queue_seconds, accepted_backlog=accepted_backlog)
     yield encoder_pb2.EncodeResponse(header=header)
     for i, c in enumerate(chunks):
         yield encoder_pb2.EncodeResponse(
@@ -147,6 +159,7 @@ def embedding_frames(
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
     batch: BatchInfo | None = None,
     queue_seconds: float = 0.0,
+    accepted_backlog: AcceptedBacklog | None = None,
 ) -> Iterator[bytes]:
     """The embedding as serialised messages, chunk 0 in the header's; each chunk is one copy of its bytes.
 
@@ -155,7 +168,7 @@ def embedding_frames(
     """
     header, chunks = _embedding_header(image_index=image_index, grid_thw=grid_thw, datatype=datatype, shape=shape,
                                        data=data, digest=digest, max_chunk_bytes=max_chunk_bytes, batch=batch,
-                                       queue_seconds=queue_seconds)
+                                       queue_seconds=queue_seconds, accepted_backlog=accepted_backlog)
     yield header_frame(encoder_pb2.EncodeResponse(header=header).SerializeToString(), image_index, chunks[0])
     for i in range(1, len(chunks)):
         yield chunk_frame(image_index, i, chunks[i])

@@ -2,5 +2,6 @@
 
 settings (flags + env) -> tower (weights: transformers' tower.py or vLLM's vllm_tower.py, by --tower-impl)
 + preprocess (image processor) -> batcher
-(one varlen forward per batch) -> servicer (proto <-> domain) -> server (wiring).
+(one varlen forward per batch) -> servicer (proto <-> domain) -> server (wiring);
+load_report serves the batcher's load as ORCA reports (OpenRcaService/StreamCoreMetrics).
 """

@@ -65,10 +65,47 @@ class Batcher:
         # One thread: forwards never overlap, each has the device (and all CPU cores) to itself.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encdis-forward")
         self._task: asyncio.Task | None = None
+        # What the node's load reports read (load_report.py): images queued or in a forward,
+        # cumulative busy time, and the measured speed that prices the queue.
+        self._running_images = 0
+        self._busy_total = 0.0
+        self._busy_since: float | None = None
+        self._seconds_per_patch = 0.0  # moving average over batches; 0 until one has run
+        self._listeners: list[Callable[[], None]] = []
 
     @property
     def queued_patches(self) -> int:
         return self._queued_patches
+
+    @property
+    def images_in_flight(self) -> int:
+        """Images submitted and not yet finished: queued, or in the forward that runs now."""
+        return len(self._queue) + self._running_images
+
+    def busy_seconds(self, now: float) -> float:
+        """Seconds spent in forwards since the node started (the one running now included)."""
+        running = now - self._busy_since if self._busy_since is not None else 0.0
+        return self._busy_total + running
+
+    def drain_seconds(self, now: float) -> float:
+        """The node's own prediction of seconds until its queue is empty: the queued patches at
+        its measured speed, less what the running forward has done already. 0 before any batch."""
+        work = self._queued_patches * self._seconds_per_patch
+        if self._busy_since is not None:
+            work -= min(now - self._busy_since, work)
+        return max(0.0, work)
+
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """`callback()` after every change of the queue (an image queued, a batch started or done)."""
+        self._listeners.append(callback)
+
+    def remove_listener(self, callback: Callable[[], None]) -> None:
+        if callback in self._listeners:
+            self._listeners.remove(callback)
+
+    def _changed(self) -> None:
+        for callback in list(self._listeners):
+            callback()
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="encdis-batcher")
@@ -94,6 +131,7 @@ class Batcher:
         fut = asyncio.get_running_loop().create_future()
         self._queue.append(_QueuedImage(image, accepted_at, fut))
         self._wakeup.set()
+        self._changed()
         return fut
 
     async def close(self) -> None:
@@ -116,6 +154,8 @@ class Batcher:
             if job.future.done():  # its call was cancelled while queued
                 self._queue.popleft()
                 self.release(job.image.num_patches)
+                self._metrics.dropped_images.inc()
+                self._changed()
                 continue
             n = job.image.num_patches
             if batch and patches + n > self.max_batch_patches:
@@ -134,7 +174,16 @@ class Batcher:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            await self._run_batch(loop, batch)
+            self._running_images = len(batch)
+            self._busy_since = time.monotonic()
+            self._changed()
+            try:
+                await self._run_batch(loop, batch)
+            finally:
+                self._busy_total += time.monotonic() - self._busy_since
+                self._busy_since = None
+                self._running_images = 0
+                self._changed()
 
     async def _run_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_QueuedImage],
                          *, alone_on_failure: bool = True) -> None:
@@ -161,6 +210,9 @@ class Batcher:
         seconds = time.monotonic() - started
         self.release(sum(patches))
         if error is None:
+            per_patch = seconds / max(1, sum(patches))
+            self._seconds_per_patch = (per_patch if self._seconds_per_patch == 0.0
+                                       else 0.7 * self._seconds_per_patch + 0.3 * per_patch)
             info = BatchInfo(seconds=seconds, image_patches=tuple(patches))
             m = self._metrics
             m.batches.inc()

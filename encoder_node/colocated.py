@@ -32,7 +32,7 @@ import torch
 
 from encdis.client.errors import FailedPrecondition, InvalidArgument, Unavailable
 from encdis.client.pb import encoder_pb2
-from encdis.client.wire import BatchInfo
+from encdis.client.wire import AcceptedBacklog, BatchInfo, set_accepted_backlog
 from encdis.pair_group import (
     BACKENDS,
     SENDER_RANK,
@@ -63,7 +63,8 @@ class Session:
 
 
 def colocated_header(index: int, grid_thw: tuple[int, int, int], digest: str, embedding: torch.Tensor,
-                     datatype: str, tag: int, *, batch: BatchInfo | None, queue_seconds: float) -> bytes:
+                     datatype: str, tag: int, *, batch: BatchInfo | None, queue_seconds: float,
+                     accepted_backlog: AcceptedBacklog | None = None) -> bytes:
     """One image's header, serialised, saying its bytes follow on the group with `tag`."""
     rows, hidden = int(embedding.shape[0]), int(embedding.shape[1])
     header = encoder_pb2.EmbeddingHeader(
@@ -74,6 +75,7 @@ def colocated_header(index: int, grid_thw: tuple[int, int, int], digest: str, em
     if batch is not None:
         header.batch.seconds = batch.seconds
         header.batch.image_patches.extend(batch.image_patches)
+    set_accepted_backlog(header, accepted_backlog)
     return encoder_pb2.EncodeResponse(header=header).SerializeToString()
 
 
@@ -140,10 +142,10 @@ class ColocatedSessions:
 
     async def frames(self, session: Session, index: int, grid_thw: tuple[int, int, int], digest: str,
                      embedding: torch.Tensor, datatype: str, tag: int, *, batch: BatchInfo | None,
-                     queue_seconds: float) -> AsyncIterator[bytes]:
+                     queue_seconds: float, accepted_backlog: AcceptedBacklog | None = None) -> AsyncIterator[bytes]:
         """The image's header (to yield on the stream), then its bytes sent over the group."""
         yield colocated_header(index, grid_thw, digest, embedding, datatype, tag, batch=batch,
-                               queue_seconds=queue_seconds)
+                               queue_seconds=queue_seconds, accepted_backlog=accepted_backlog)
         try:
             if self._stall:
                 await asyncio.sleep(self._stall)

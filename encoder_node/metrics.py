@@ -36,5 +36,10 @@ class EncoderMetrics:
             "encdis_encoder_embedding_bytes_total", "Embedding bytes sent", registry=r)
         self.requests = Counter(
             "encdis_encoder_requests_total", "Encode calls by final status code", ["code"], registry=r)
+        self.dropped_images = Counter(
+            "encdis_encoder_dropped_images_total",
+            "Queued images dropped before their forward because their call was cancelled", registry=r)
+        self.load_reports = Counter(
+            "encdis_encoder_load_reports_total", "ORCA load reports sent (StreamCoreMetrics)", registry=r)
         self.inflight_requests = Gauge(
             "encdis_encoder_inflight_requests", "Encode calls in progress", registry=r)

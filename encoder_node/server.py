@@ -1,7 +1,8 @@
 """Encoder node wiring: grpc.aio server, interceptors, health + reflection, metrics, load, drain.
 
 The port is plaintext or TLS (encdis/tls.py); with API keys, Encode and Describe need one
-(encdis/auth.py) while health and reflection stay open.
+(encdis/auth.py) while health and reflection stay open. The same port serves ORCA load
+reports (load_report.py: OpenRcaService/StreamCoreMetrics), keyed like Encode.
 
 Order of events:
   bind the port (health NOT_SERVING; Encode answers UNAVAILABLE "loading") -> load the
@@ -24,6 +25,7 @@ from encdis.checkpoint import weights_fingerprint
 from encdis.client.pb import encoder_pb2
 from encdis.encoder_node.batcher import Batcher
 from encdis.encoder_node.fault_hook import with_test_fault
+from encdis.encoder_node.load_report import LoadReportService, add_load_report_service
 from encdis.encoder_node.metrics import EncoderMetrics
 from encdis.encoder_node.preprocess import ImagePreprocessor
 from encdis.encoder_node.servicer import EncoderServicer, LoadedModel, add_encoder_service
@@ -95,6 +97,7 @@ class EncoderNode:
         self.metrics = EncoderMetrics()
         self.tracing = Tracing.configured(settings.otlp_traces_endpoint, "encdis-encoder")
         self.servicer = EncoderServicer(settings, self.metrics, self.tracing)
+        self.load_reports = LoadReportService(self.metrics)
         self.model: LoadedModel | None = None
         self.server: grpc.aio.Server | None = None
         self.health = None
@@ -113,6 +116,7 @@ class EncoderNode:
             maximum_concurrent_rpcs=s.max_concurrent_rpcs + HEADROOM_RPCS,
         )
         add_encoder_service(self.servicer, self.server)
+        add_load_report_service(self.load_reports, self.server)
         self.health = await add_health_and_reflection(self.server, [SERVICE_NAME], reflection_enabled=s.reflection)
         tls = ServerTLS.from_flags(s.tls_cert, s.tls_key, s.tls_client_ca)
         self.port = add_port(self.server, bind_address(s.host, s.port), tls)
@@ -125,6 +129,7 @@ class EncoderNode:
         self.model = await asyncio.to_thread(load_model, s, self.metrics)
         self.model.batcher.start()
         self.servicer.attach(self.model)
+        self.load_reports.batcher = self.model.batcher
         await self.health.set_serving()
 
     async def drain(self) -> None:
@@ -142,6 +147,7 @@ class EncoderNode:
         await self.stop(grace=1.0)
 
     async def stop(self, grace: float | None = None) -> None:
+        self.load_reports.close()
         if self.server is not None:
             await self.server.stop(grace)
         self.servicer.colocated.close_all()

@@ -28,7 +28,7 @@ from opentelemetry.trace import Span, SpanKind
 import encdis
 from encdis.client.errors import EncdisError, InvalidArgument, ResourceExhausted, Unavailable
 from encdis.client.pb import encoder_pb2, encoder_pb2_grpc
-from encdis.client.wire import BatchInfo, embedding_frames, serialize_response
+from encdis.client.wire import AcceptedBacklog, BatchInfo, embedding_frames, serialize_response
 from encdis.encoder_node.batcher import Batcher
 from encdis.encoder_node.colocated import ColocatedSessions
 from encdis.encoder_node.decode_budget import DecodeBudget
@@ -62,12 +62,13 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 def reply_frames(index: int, grid_thw: tuple[int, int, int], digest: str, embedding: torch.Tensor, datatype: str,
                  max_chunk_bytes: int, *, batch: BatchInfo | None = None,
-                 queue_seconds: float = 0.0) -> Iterator[bytes]:
+                 queue_seconds: float = 0.0, accepted_backlog: AcceptedBacklog | None = None) -> Iterator[bytes]:
     """One image's embedding as Encode sends it: its header, then chunks sliced from the tensor in place."""
     return embedding_frames(
         image_index=index, grid_thw=grid_thw, datatype=datatype,
         shape=(int(embedding.shape[0]), int(embedding.shape[1])), data=tensor_bytes(embedding),
         digest=digest, max_chunk_bytes=max_chunk_bytes, batch=batch, queue_seconds=queue_seconds,
+        accepted_backlog=accepted_backlog,
     )
 
 
@@ -221,6 +222,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         patches = [pre.num_patches(h, lo, hi) for h in headers]
 
         accepted_at = time.monotonic()
+        # The node's load as this call found it, reported with each of its embeddings.
+        backlog = AcceptedBacklog(model.batcher.drain_seconds(accepted_at), model.batcher.queued_patches)
         model.batcher.admit(sum(patches))
         reserved = sum(patches)  # patches this call holds that the batcher does not own yet
         futures: list[asyncio.Future] = []
@@ -257,11 +260,13 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                 if session is not None:
                     async for frame in self.colocated.frames(
                             session, p.index, p.grid_thw, p.digest, enc.embedding, model.tower.datatype,
-                            request.colocated_tag_base + p.index, batch=enc.batch, queue_seconds=enc.queue_seconds):
+                            request.colocated_tag_base + p.index, batch=enc.batch, queue_seconds=enc.queue_seconds,
+                            accepted_backlog=backlog):
                         yield frame
                 else:
                     for frame in reply_frames(p.index, p.grid_thw, p.digest, enc.embedding, model.tower.datatype,
-                                              chunk_bytes, batch=enc.batch, queue_seconds=enc.queue_seconds):
+                                              chunk_bytes, batch=enc.batch, queue_seconds=enc.queue_seconds,
+                                              accepted_backlog=backlog):
                         yield frame
                 self.metrics.embedding_bytes.inc(enc.embedding.numel() * enc.embedding.element_size())
                 record_span(tracer, span, "encdis.encoder.send", t_send, time.time_ns(),

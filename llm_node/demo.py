@@ -117,6 +117,11 @@ def print_report(answers: list, encoders: list) -> None:
     for e in encoders:
         print(f"    {e.address}  {e.state:<10} {e.assigned_images} images  {e.assigned_patches} patches "
               f"({100 * e.assigned_patches / total:.0f}% of patches)")
+        if e.report is not None:
+            r = e.report
+            print(f"        last load report {e.report_age_seconds:.2f}s ago: {r['queued_patches']:.0f} patches, "
+                  f"{r['images_in_flight']:.0f} images in flight, drains in {r['drain_seconds']:.3f}s, "
+                  f"{100 * r['utilization']:.0f}% busy")
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

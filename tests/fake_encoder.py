@@ -20,6 +20,8 @@ of a constant value. Knobs are attributes a test sets:
         co-located encoder, as far as the coordinator can tell)
     open_colocated_seconds: OpenColocated answers UNAVAILABLE after this long (a slow
         rendezvous); `open_calls` counts the calls, `open_answered` the answers
+    report_drain_seconds, report_queued_patches: what its ORCA load reports say (every 20 ms)
+    report_hang_after: after this many reports the report stream sends nothing more (None: never)
 
 FakeEncoderThread runs one in a thread with its own event loop, for tests whose own loop
 is not running while the fake must answer (a synchronous test driving an LLM node).
@@ -33,6 +35,8 @@ import threading
 
 import grpc
 import numpy as np
+from xds.data.orca.v3 import orca_load_report_pb2
+from xds.service.orca.v3 import orca_pb2
 
 from encdis import serving
 from encdis.checkpoint import read_processor_config, read_vision_config, text_hidden_size, weights_fingerprint
@@ -66,6 +70,10 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
         self.on_this_loopback = False
         self.open_colocated_seconds = 0.0
         self.open_calls = self.open_answered = 0
+        self.report_drain_seconds = 0.0
+        self.report_queued_patches = 0.0
+        self.report_hang_after: int | None = None
+        self.reports_sent = 0
         self.calls = 0
         self.sent_bytes = 0  # embedding bytes yielded to gRPC, over all calls
         self.address = ""
@@ -74,6 +82,10 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
     async def start(self) -> FakeEncoder:
         self._server = grpc.aio.server(interceptors=[serving.ErrorMappingInterceptor()])
         encoder_pb2_grpc.add_EncoderServiceServicer_to_server(self, self._server)
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "xds.service.orca.v3.OpenRcaService", {"StreamCoreMetrics": grpc.unary_stream_rpc_method_handler(
+                self.StreamCoreMetrics, request_deserializer=orca_pb2.OrcaLoadReportRequest.FromString,
+                response_serializer=orca_load_report_pb2.OrcaLoadReport.SerializeToString)}),))
         health = await serving.add_health_and_reflection(self._server, [SERVICE])
         port = self._server.add_insecure_port("127.0.0.1:0")
         await self._server.start()
@@ -84,6 +96,20 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
     async def stop(self) -> None:
         if self._server is not None:
             await self._server.stop(grace=None)
+
+    async def StreamCoreMetrics(self, request, context):
+        sent = 0
+        while True:
+            if self.report_hang_after is not None and sent >= self.report_hang_after:
+                await asyncio.sleep(3600)  # the stream stays open, silent
+            report = orca_load_report_pb2.OrcaLoadReport(application_utilization=0.0)
+            report.named_metrics["queued_patches"] = self.report_queued_patches
+            report.named_metrics["images_in_flight"] = 0.0
+            report.named_metrics["drain_seconds"] = self.report_drain_seconds
+            sent += 1
+            self.reports_sent += 1
+            yield report
+            await asyncio.sleep(0.02)
 
     async def Describe(self, request, context) -> encoder_pb2.DescribeResponse:
         ident = self.identity

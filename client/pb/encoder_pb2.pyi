@@ -33,7 +33,7 @@ class EncodeResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[EmbeddingHeader, _Mapping]] = ..., chunk: _Optional[_Union[EmbeddingChunk, _Mapping]] = ..., first_chunk: _Optional[_Union[EmbeddingChunk, _Mapping]] = ...) -> None: ...
 
 class EmbeddingHeader(_message.Message):
-    __slots__ = ("image_index", "grid_thw", "num_tokens", "hidden_size", "datatype", "digest", "total_bytes", "num_chunks", "batch", "queue_seconds", "colocated", "colocated_tag")
+    __slots__ = ("image_index", "grid_thw", "num_tokens", "hidden_size", "datatype", "digest", "total_bytes", "num_chunks", "batch", "queue_seconds", "colocated", "colocated_tag", "has_accepted_backlog", "accepted_backlog_seconds", "accepted_queued_patches")
     IMAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,9 @@ class EmbeddingHeader(_message.Message):
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     COLOCATED_FIELD_NUMBER: _ClassVar[int]
     COLOCATED_TAG_FIELD_NUMBER: _ClassVar[int]
+    HAS_ACCEPTED_BACKLOG_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_BACKLOG_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_QUEUED_PATCHES_FIELD_NUMBER: _ClassVar[int]
     image_index: int
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
@@ -58,7 +61,10 @@ class EmbeddingHeader(_message.Message):
     queue_seconds: float
     colocated: bool
     colocated_tag: int
-    def __init__(self, image_index: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., datatype: _Optional[str] = ..., digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., batch: _Optional[_Union[BatchTiming, _Mapping]] = ..., queue_seconds: _Optional[float] = ..., colocated: _Optional[bool] = ..., colocated_tag: _Optional[int] = ...) -> None: ...
+    has_accepted_backlog: bool
+    accepted_backlog_seconds: float
+    accepted_queued_patches: int
+    def __init__(self, image_index: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., datatype: _Optional[str] = ..., digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., batch: _Optional[_Union[BatchTiming, _Mapping]] = ..., queue_seconds: _Optional[float] = ..., colocated: _Optional[bool] = ..., colocated_tag: _Optional[int] = ..., has_accepted_backlog: _Optional[bool] = ..., accepted_backlog_seconds: _Optional[float] = ..., accepted_queued_patches: _Optional[int] = ...) -> None: ...
 
 class EmbeddingChunk(_message.Message):
     __slots__ = ("image_index", "chunk_index", "data")

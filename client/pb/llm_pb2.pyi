@@ -83,7 +83,7 @@ class ListEncodersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EncoderInfo(_message.Message):
-    __slots__ = ("address", "state", "reason", "backlog_seconds", "backlog_patches", "patches_per_second", "assigned_patches", "assigned_images", "name", "backoff_seconds", "faults", "backoff_remaining_seconds")
+    __slots__ = ("address", "state", "reason", "backlog_seconds", "backlog_patches", "patches_per_second", "assigned_patches", "assigned_images", "name", "backoff_seconds", "faults", "backoff_remaining_seconds", "has_report", "report_age_seconds", "report_queued_patches", "report_images_in_flight", "report_drain_seconds", "report_utilization", "lateness_seconds")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,13 @@ class EncoderInfo(_message.Message):
     BACKOFF_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FAULTS_FIELD_NUMBER: _ClassVar[int]
     BACKOFF_REMAINING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HAS_REPORT_FIELD_NUMBER: _ClassVar[int]
+    REPORT_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REPORT_QUEUED_PATCHES_FIELD_NUMBER: _ClassVar[int]
+    REPORT_IMAGES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    REPORT_DRAIN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REPORT_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    LATENESS_SECONDS_FIELD_NUMBER: _ClassVar[int]
     address: str
     state: str
     reason: str
@@ -108,7 +115,14 @@ class EncoderInfo(_message.Message):
     backoff_seconds: float
     faults: int
     backoff_remaining_seconds: float
-    def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., backlog_seconds: _Optional[float] = ..., backlog_patches: _Optional[int] = ..., patches_per_second: _Optional[float] = ..., assigned_patches: _Optional[int] = ..., assigned_images: _Optional[int] = ..., name: _Optional[str] = ..., backoff_seconds: _Optional[float] = ..., faults: _Optional[int] = ..., backoff_remaining_seconds: _Optional[float] = ...) -> None: ...
+    has_report: bool
+    report_age_seconds: float
+    report_queued_patches: float
+    report_images_in_flight: float
+    report_drain_seconds: float
+    report_utilization: float
+    lateness_seconds: float
+    def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., backlog_seconds: _Optional[float] = ..., backlog_patches: _Optional[int] = ..., patches_per_second: _Optional[float] = ..., assigned_patches: _Optional[int] = ..., assigned_images: _Optional[int] = ..., name: _Optional[str] = ..., backoff_seconds: _Optional[float] = ..., faults: _Optional[int] = ..., backoff_remaining_seconds: _Optional[float] = ..., has_report: _Optional[bool] = ..., report_age_seconds: _Optional[float] = ..., report_queued_patches: _Optional[float] = ..., report_images_in_flight: _Optional[float] = ..., report_drain_seconds: _Optional[float] = ..., report_utilization: _Optional[float] = ..., lateness_seconds: _Optional[float] = ...) -> None: ...
 
 class ListEncodersResponse(_message.Message):
     __slots__ = ("encoders",)

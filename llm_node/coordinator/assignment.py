@@ -12,6 +12,7 @@ API (stable):
         .complete(ticket, now)                      when its embedding arrived (or it failed)
         .seconds(key, model, now) -> float          predicted seconds of work still queued
         .loads(models, now) -> list[EncoderLoad]    the `encoders` argument of assign
+        .outstanding_since(key, t) -> list[int]     patches of images sent after t (load_reports.py)
         .forget(key)                                an encoder left the pool
     vllm_greedy_assignment(image_patches, k)       vLLM's own balancer, as an encoder index per
                                                     image (the baseline tests and the simulator compare with)
@@ -114,6 +115,7 @@ class Backlog:
         self._queues: dict[Hashable, OrderedDict[int, int]] = {}
         self._owner: dict[int, Hashable] = {}
         self._mark: dict[Hashable, float] = {}  # since when the head image has been worked on
+        self._sent: dict[int, float] = {}  # ticket -> when it was added
 
     def add(self, key: Hashable, patches: int, now: float) -> int:
         """Record an image sent to encoder `key`; returns the ticket to complete it with."""
@@ -123,11 +125,13 @@ class Backlog:
         ticket = next(self._tickets)
         queue[ticket] = patches
         self._owner[ticket] = key
+        self._sent[ticket] = now
         return ticket
 
     def complete(self, ticket: int, now: float) -> None:
         """The image's embedding arrived (or its encode failed): it no longer loads the encoder."""
         key = self._owner.pop(ticket, None)
+        self._sent.pop(ticket, None)
         if key is None:
             return  # already completed, or its encoder was forgotten
         queue = self._queues[key]
@@ -140,11 +144,16 @@ class Backlog:
         """Drop an encoder that left the pool (its outstanding tickets become no-ops)."""
         for ticket in self._queues.pop(key, {}):
             self._owner.pop(ticket, None)
+            self._sent.pop(ticket, None)
         self._mark.pop(key, None)
 
     def outstanding(self, key: Hashable) -> list[int]:
         """Patch counts of the images still outstanding on `key`, oldest first."""
         return list(self._queues.get(key, {}).values())
+
+    def outstanding_since(self, key: Hashable, since: float) -> list[int]:
+        """Patch counts of the outstanding images on `key` that were sent after `since`."""
+        return [n for t, n in self._queues.get(key, {}).items() if self._sent[t] > since]
 
     def seconds(self, key: Hashable, model: CostModel, now: float) -> float:
         """Predicted seconds of work still queued on encoder `key`."""

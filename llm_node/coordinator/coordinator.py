@@ -47,7 +47,7 @@ from .colocated import ColocatedTransport
 from .dispatch import Dispatcher, RequestTiming
 from .embedding_cache import ClaimAbandoned, EmbeddingCache
 from .expectation import PendingImage
-from .handle import keepalive_options
+from .handle import EncoderHandle, keepalive_options
 from .identity import ModelIdentity, expected_tower_impl
 from .metrics import CoordinatorMetrics
 from .penalty import BackoffSchedule
@@ -126,6 +126,9 @@ class Coordinator:
             channel_options=keepalive_options(s.keepalive_time_seconds, s.keepalive_timeout_seconds),
             channel_security=self.channel_security,
             on_described=self.colocated.on_described if s.colocated != "off" else None,
+            load_reports=s.load_reports == "on",
+            report_interval=s.load_report_interval_seconds,
+            report_max_age=s.load_report_max_age_seconds,
         )
         self._dispatcher = Dispatcher(s, self.pool, self.cache, self.metrics, hidden_size=self.hidden_size,
                                       min_pixels=self.identity.min_pixels, max_pixels=self.identity.max_pixels,
@@ -150,18 +153,27 @@ class Coordinator:
         if self.pool is None:
             return []
         now = time.monotonic()
-        return [
-            EncoderStatus(
-                address=h.address, name=h.name, state=h.state.value, reason=h.reason,
-                backlog_seconds=self.pool.backlog_seconds(h), backlog_patches=self.pool.backlog_patches(h),
-                patches_per_second=h.cost_model.patches_per_second, assigned_patches=h.assigned_patches,
-                assigned_images=h.assigned_images,
-                backoff_seconds=h.penalty.seconds if h.penalty else 0.0,
-                faults=h.penalty.faults if h.penalty else 0,
-                backoff_remaining_seconds=max(0.0, h.penalty.until - now) if h.penalty else 0.0,
-            )
-            for h in self.pool.encoders()
-        ]
+        return [self._status(h, now) for h in self.pool.encoders()]
+
+    def _status(self, h: EncoderHandle, now: float) -> EncoderStatus:
+        assert self.pool is not None
+        report = h.reports.latest if h.reports is not None else None
+        return EncoderStatus(
+            address=h.address, name=h.name, state=h.state.value, reason=h.reason,
+            backlog_seconds=self.pool.backlog_seconds(h), backlog_patches=self.pool.backlog_patches(h),
+            patches_per_second=h.cost_model.patches_per_second, assigned_patches=h.assigned_patches,
+            assigned_images=h.assigned_images,
+            backoff_seconds=h.penalty.seconds if h.penalty else 0.0,
+            faults=h.penalty.faults if h.penalty else 0,
+            backoff_remaining_seconds=max(0.0, h.penalty.until - now) if h.penalty else 0.0,
+            has_report=report is not None,
+            report_age_seconds=report.age(now) if report else 0.0,
+            report_queued_patches=report.queued_patches if report else 0.0,
+            report_images_in_flight=report.images_in_flight if report else 0.0,
+            report_drain_seconds=report.drain_seconds if report else 0.0,
+            report_utilization=report.utilization if report else 0.0,
+            lateness_seconds=h.lateness.seconds(now),
+        )
 
     # -- one request -----------------------------------------------------------------
 

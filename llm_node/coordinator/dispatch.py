@@ -51,6 +51,7 @@ from .colocated_link import ColocatedFailure
 from .embedding_cache import EmbeddingCache
 from .expectation import PendingImage, embedding_mismatch
 from .handle import EncoderHandle, EncoderState
+from .hedging import CallProgress, Hedger
 from .metrics import CoordinatorMetrics
 from .pool import EncoderPool
 from .records import ImageEmbedding
@@ -99,6 +100,7 @@ class Dispatcher:
         self._rotation = 0
         self._random = random.Random()
         self.tracing = Tracing()  # off until the node sets its own (encdis/tracing.py)
+        self.hedger = Hedger(settings, pool, metrics)
 
     async def run(self, images: Sequence[bytes], remaining: dict[int, PendingImage], timing: RequestTiming,
                   deadline: float | None = None) -> None:
@@ -124,7 +126,7 @@ class Dispatcher:
             for h, _ in calls:
                 self.pool.acquire(h)
             try:
-                outcomes = await _run_all([self._call(h, images, group, remaining, timing, deadline)
+                outcomes = await _run_all([self._attempt(h, images, group, remaining, timing, deadline, excluded)
                                            for h, group in calls])
             finally:
                 for h, _ in calls:
@@ -233,33 +235,65 @@ class Dispatcher:
         finally:
             timing.wait += time.monotonic() - t0
 
+    async def _attempt(self, h: EncoderHandle, images: Sequence[bytes], jobs: list[PendingImage],
+                       remaining: dict[int, PendingImage], timing: RequestTiming, deadline: float | None,
+                       excluded: set[str]) -> _CallFailure | None:
+        """One call to `h`, hedged when it straggles (hedging.Hedger); None once every image is in."""
+        def call(target: EncoderHandle, group: list[PendingImage], progress: CallProgress,
+                 first_attempt: bool):
+            return self._call(target, images, group, remaining, timing, deadline, progress,
+                              first_attempt=first_attempt)
+
+        if self.settings.hedge != "on":
+            return await call(h, jobs, CallProgress(), True)
+        failure, missing = await self.hedger.run(h, jobs, remaining, excluded, call)
+        if missing and failure is None:
+            return _CallFailure(h, Unavailable("no attempt delivered every image"), jobs)
+        return failure if missing else None
+
     async def _call(self, h: EncoderHandle, images: Sequence[bytes], jobs: list[PendingImage],
                     remaining: dict[int, PendingImage], timing: RequestTiming,
-                    deadline: float | None) -> _CallFailure | None:
+                    deadline: float | None, progress: CallProgress | None = None,
+                    *, first_attempt: bool = True) -> _CallFailure | None:
         """One Encode stream to `h` in its own span (the encoder's spans are its children)."""
         with self.tracing.tracer.start_as_current_span("encdis.coordinator.encode_call", attributes={
                 "encdis.encoder": h.address, "encdis.images": len(jobs),
-                "encdis.patches": sum(j.patches for j in jobs)}) as span:
+                "encdis.patches": sum(j.patches for j in jobs), "encdis.hedge": not first_attempt}) as span:
             t0 = time.monotonic()
-            failure = await self._attempt(h, images, jobs, remaining, timing, deadline, span)
+            failure = await self._stream(h, images, jobs, remaining, timing, deadline, span,
+                                         progress if progress is not None else CallProgress(),
+                                         first_attempt=first_attempt)
             span.set_attribute("encdis.actual_seconds", time.monotonic() - t0)
             if failure is not None:
                 span.set_attribute("encdis.failure", f"{failure.error.code.name}: {failure.error.message}")
             return failure
 
-    async def _attempt(self, h: EncoderHandle, images: Sequence[bytes], jobs: list[PendingImage],
-                       remaining: dict[int, PendingImage], timing: RequestTiming,
-                       deadline: float | None, span) -> _CallFailure | None:
-        """One Encode stream to `h`; None on success, a _CallFailure when others should retry."""
+    async def _stream(self, h: EncoderHandle, images: Sequence[bytes], jobs: list[PendingImage],
+                      remaining: dict[int, PendingImage], timing: RequestTiming, deadline: float | None,
+                      span, progress: CallProgress, *, first_attempt: bool) -> _CallFailure | None:
+        """One Encode stream to `h`; None on success, a _CallFailure when others should retry.
+
+        Images another attempt delivered meanwhile (no longer in `remaining`) are checked and
+        dropped."""
         timeout, predicted, by_caller = self.attempt_timeout(h, jobs, deadline)
         span.set_attribute("encdis.predicted_seconds", predicted)
         datatype = self.pool.identity.datatype  # every encoder in the pool matched it (identity.py)
+        fitted = h.cost_model.observations > 0  # only then is a prediction worth learning from
+        costs = [h.cost_model.predict(j.patches) for j in jobs]
+        finish = predicted - sum(costs)
+        progress.finishes = []
+        for c in costs:
+            finish += c
+            progress.finishes.append(finish)
+        progress.sent_at = time.monotonic()
         tickets = []
         for j in jobs:
             tickets.append(self.pool.add_work(h, j.patches))
             self.metrics.assignments.labels(h.address).inc()
             self.metrics.assigned_patches.labels(h.address).inc(j.patches)
-        done: set[int] = set()
+            if first_attempt:
+                self.hedger.budget.sent(j.patches, progress.sent_at)
+        done = progress.delivered
         try:
             stream = h.client.encode_iter(
                 [bytes(images[j.index]) for j in jobs], min_pixels=self.min_pixels, max_pixels=self.max_pixels,
@@ -279,7 +313,13 @@ class Dispatcher:
                     timing.transfer = max(timing.transfer, emb.receive_seconds + time.perf_counter() - t0)
                     done.add(pos)
                     self.pool.complete_work(tickets[pos])
-                    remaining.pop(job.index, None)
+                    if fitted:
+                        error = time.monotonic() - progress.sent_at - progress.finishes[pos]
+                        self.pool.observe_finish(h, progress.finishes[pos], progress.finishes[pos] + error)
+                        self.hedger.errors.observe(error)
+                    if remaining.pop(job.index, None) is None:
+                        continue  # another attempt (a hedge) delivered it first
+                    progress.fulfilled.add(pos)
                     self.cache.fulfil(entry)
                     timing.queue = max(timing.queue, emb.queue_seconds)
                     if span.is_recording():

@@ -19,6 +19,7 @@ from encdis.client.channels import CHANNEL_OPTIONS, ChannelSecurity
 from encdis.client.encoder_client import AsyncEncoderClient, EncoderDescription
 
 from .channel_security import open_encoder_channel
+from .load_reports import Lateness, ReportWatcher
 from .penalty import FaultRecord, Penalty
 
 # Reconnect quickly after an encoder restarts: gRPC's default backoff grows to 120 s.
@@ -79,6 +80,10 @@ class EncoderHandle:
         # TLS verified against the name it was found by, and the API key, when configured.
         self.channel = open_encoder_channel(address, self.names, options, channel_security)
         self.client = AsyncEncoderClient(address, channel=self.channel)
+        # Its ORCA load reports (load_reports.py), when the coordinator reads them; and how late
+        # its calls have recently finished past their prediction.
+        self.reports: ReportWatcher | None = None
+        self.lateness = Lateness()
         self.assigned_patches = 0
         self.assigned_images = 0
         self.active_calls = 0

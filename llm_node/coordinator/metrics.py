@@ -37,6 +37,14 @@ class CoordinatorMetrics:
             "encdis_coordinator_request_embeddings_seconds",
             "From a request's images reaching the coordinator to all their embeddings in hand (cache or encoders)",
             buckets=EMBEDDINGS_BUCKETS, registry=registry)
+        self.hedges = Counter(
+            "encdis_coordinator_hedges_total",
+            "Hedged Encode calls by event: sent (a second attempt of a straggling call), won (the second "
+            "attempt delivered the images first), cancelled (an attempt cancelled because the other delivered)",
+            ["event"], registry=registry)
+        self.hedge_patches = Counter("encdis_coordinator_hedge_patches_total",
+                                     "Patches sent again as hedges (the extra work hedging costs)",
+                                     registry=registry)
         self.cache_bytes = Gauge("encdis_coordinator_cache_bytes", "Bytes held by the embedding cache",
                                  registry=registry)
         # Counted once per embedding as the coordinator receives it, whatever the engine's TP size.

@@ -9,7 +9,8 @@ outstanding work per encoder that the assignment policy reads (`loads`), and the
 (penalty.py) of encoders that misbehaved (quarantined) or ran late (slow): a penalised
 encoder gets no work until its back-off is over and it has answered a fresh Describe
 (`_probe`). One that answered RESOURCE_EXHAUSTED looks `busy_seconds` more loaded, decaying,
-so the policy sends it less for a while.
+so the policy sends it less for a while. With load reports on, each encoder's ORCA report
+stream (load_reports.py) is read too, and `backlog_seconds` is what those reports predict.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .discovery import Resolver, is_ip_literal, join_host_port, split_host_port
 from .handle import EncoderHandle, EncoderState
 from .health import HealthWatcher
 from .identity import ModelIdentity, refusal_reason
+from .load_reports import ReportWatcher, predicted_backlog
 from .penalty import BackoffSchedule, FaultRecord, Penalty
 
 log = logging.getLogger(__name__)
@@ -50,7 +52,13 @@ class EncoderPool:
         channel_options: list[tuple[str, Any]] | None = None,
         channel_security: Any = None,  # encdis.client.channels.ChannelSecurity: TLS / API key to encoders
         on_described: Callable[..., Any] | None = None,  # health.HealthWatcher's hook (co-located pairs)
+        load_reports: bool = False,  # read each encoder's ORCA reports (load_reports.py)
+        report_interval: float = 0.1,
+        report_max_age: float = 1.0,
     ) -> None:
+        self.load_reports = load_reports
+        self.report_interval = report_interval
+        self.report_max_age = report_max_age
         self.targets = [(t.strip(), *split_host_port(t)) for t in targets if t.strip()]
         self.identity = identity
         self.describe_timeout = describe_timeout
@@ -150,9 +158,23 @@ class EncoderPool:
         self._backlog.complete(ticket, time.monotonic())
 
     def backlog_seconds(self, h: EncoderHandle) -> float:
-        """Predicted seconds of work queued on `h`, plus what a recent RESOURCE_EXHAUSTED adds."""
+        """Predicted seconds of work queued on `h`, plus what a recent RESOURCE_EXHAUSTED adds.
+
+        With load reports: what its last fresh report says, with our own work since, and never
+        less than our own view; plus its measured lateness (load_reports.predicted_backlog)."""
         now = time.monotonic()
-        return self._backlog.seconds(h.address, h.cost_model, now) + max(0.0, h.busy_until - now)
+        own = self._backlog.seconds(h.address, h.cost_model, now) + max(0.0, h.busy_until - now)
+        if h.reports is None:
+            return own
+        report = h.reports.latest
+        after = self._backlog.outstanding_since(h.address, report.received_at) if report is not None else []
+        return predicted_backlog(report, own, after, h.cost_model, now, self.report_max_age,
+                                 h.lateness.seconds(now))
+
+    def observe_finish(self, h: EncoderHandle, predicted: float, actual: float) -> None:
+        """An image sent to `h` arrived `actual` seconds after it was sent; `predicted` was its
+        predicted finish then. Its lateness raises `h`'s backlog while load reports are read."""
+        h.lateness.observe(actual - predicted, time.monotonic())
 
     def backlog_patches(self, h: EncoderHandle) -> int:
         return sum(self._backlog.outstanding(h.address))
@@ -292,6 +314,9 @@ class EncoderPool:
     def _add(self, address: str, name: str) -> EncoderHandle:
         h = EncoderHandle(address, name, self.cost_model_factory(), self.channel_options, self.channel_security)
         self._handles[address] = h
+        if self.load_reports:
+            h.reports = ReportWatcher(h.channel, self.report_interval, address)
+            h.reports.start()
         h.watch_task = asyncio.create_task(self._watcher.run(h), name=f"encdis-watch-{address}")
         log.info("encoder %s joins the pool (from %s)", address, name)
         self._notify()
@@ -302,7 +327,7 @@ class EncoderPool:
             return
         del self._handles[h.address]
         self._backlog.forget(h.address)
-        for task in (h.watch_task, h.probe_task):
+        for task in (h.watch_task, h.probe_task, h.reports.task if h.reports is not None else None):
             if task is not None:
                 await _cancel_and_wait(task)
         await h.channel.close()

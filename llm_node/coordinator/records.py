@@ -62,3 +62,10 @@ class EncoderStatus:
     backoff_seconds: float = 0.0  # length of its current penalty (quarantined, slow); 0 when none
     faults: int = 0  # consecutive faults behind that penalty
     backoff_remaining_seconds: float = 0.0  # until it is probed again; 0 when none or probing
+    has_report: bool = False  # an ORCA load report has been received (load_reports.py)
+    report_age_seconds: float = 0.0
+    report_queued_patches: float = 0.0
+    report_images_in_flight: float = 0.0
+    report_drain_seconds: float = 0.0
+    report_utilization: float = 0.0
+    lateness_seconds: float = 0.0  # how late its calls recently finished past their prediction

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 COLOCATED_MODES = ("auto", "off", "require")
+ON_OFF = ("on", "off")
 ENCODER_DATATYPES = ("FP32", "BF16", "FP16")  # client.wire.DATATYPES, without importing the SDK here
 IMAGE_LOADERS = ("vllm", "transformers")
 ENCODER_TOWER_IMPLS = ("auto", "vllm", "transformers")  # client.wire.TOWER_IMPLS, plus auto
@@ -62,8 +63,29 @@ class CoordinatorSettings:
     encoder_tls_cert: Path | None = None
     encoder_tls_key: Path | None = None
     encoder_api_key_file: Path | None = None
+    # Balance on the encoders' ORCA load reports (load_reports.py), asked every interval; a
+    # report older than the max age counts for nothing (own view).
+    load_reports: str = "on"
+    load_report_interval_seconds: float = 0.1
+    load_report_max_age_seconds: float = 1.0
+    # Hedging (hedging.py): a second attempt for images past their predicted finish by a learned
+    # margin, where another encoder would finish sooner; extra patches within the budget
+    # (a fraction of the patches sent over the window).
+    hedge: str = "on"
+    hedge_budget: float = 0.05
+    hedge_window_seconds: float = 60.0
+    hedge_check_seconds: float = 0.25
+    hedge_min_margin_seconds: float = 0.05
 
     def __post_init__(self) -> None:
+        for name in ("load_reports", "hedge"):
+            if getattr(self, name) not in ON_OFF:
+                raise ValueError(f"--{name.replace('_', '-')} must be on or off, got {getattr(self, name)!r}")
+        if self.load_report_interval_seconds < 0.01:
+            raise ValueError(f"--load-report-interval-seconds must be >= 0.01 (encoders report no faster), "
+                             f"got {self.load_report_interval_seconds}")
+        if not 0 <= self.hedge_budget <= 1:
+            raise ValueError(f"--hedge-budget must be a fraction in [0, 1], got {self.hedge_budget}")
         if (self.encoder_tls_cert is None) != (self.encoder_tls_key is None):
             raise ValueError("--encoder-tls-cert and --encoder-tls-key go together")
         if self.encoder_tls_cert is not None and self.encoder_tls_ca is None:
@@ -83,7 +105,8 @@ class CoordinatorSettings:
             raise ValueError(f"--encoder-tower-impl must be one of {', '.join(ENCODER_TOWER_IMPLS)}, "
                              f"got {self.encoder_tower_impl!r}")
         positive = ("keepalive_timeout_seconds", "attempt_timeout_floor_seconds", "quarantine_seconds",
-                    "slow_seconds", "retry_backoff_seconds")
+                    "slow_seconds", "retry_backoff_seconds", "load_report_max_age_seconds", "hedge_window_seconds",
+                    "hedge_check_seconds")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
@@ -91,6 +114,8 @@ class CoordinatorSettings:
             # Encoders refuse pings more frequent than that (encoder_node/server.py).
             raise ValueError(f"--keepalive-time-seconds must be >= {MIN_KEEPALIVE_SECONDS}, "
                              f"got {self.keepalive_time_seconds}")
+        if self.hedge_min_margin_seconds < 0:
+            raise ValueError(f"--hedge-min-margin-seconds must be >= 0, got {self.hedge_min_margin_seconds}")
         if self.attempt_timeout_margin < 1 or self.busy_seconds < 0:
             raise ValueError("--attempt-timeout-margin must be >= 1 and --busy-seconds >= 0")
         for first, cap in (("quarantine_seconds", "quarantine_max_seconds"), ("slow_seconds", "slow_max_seconds"),
@@ -135,4 +160,15 @@ HELP = {
     "encoder_tls_cert": "PEM client certificate chain for encoders that require one (mTLS)",
     "encoder_tls_key": "PEM private key of --encoder-tls-cert",
     "encoder_api_key_file": "file whose first line is the API key sent to encoders (or ENCDIS_ENCODER_API_KEY)",
+    "load_reports": "on: balance on the encoders' ORCA load reports (their whole queue, other LLM nodes' work "
+                    "included); off: on this node's own outstanding work only",
+    "load_report_interval_seconds": "how often each encoder is asked to report its load (>= 0.01)",
+    "load_report_max_age_seconds": "a load report older than this counts for nothing (own view instead)",
+    "hedge": "on: an image running past its predicted finish by the learned margin gets a second attempt on "
+             "an encoder predicted to finish it sooner; the first valid embedding wins, the other is cancelled",
+    "hedge_budget": "hedged patches at most this fraction of the patches sent over --hedge-window-seconds",
+    "hedge_window_seconds": "sliding window of the hedge budget",
+    "hedge_check_seconds": "how often a waiting call is re-checked for a hedge",
+    "hedge_min_margin_seconds": "smallest margin past the predicted finish before a hedge (the margin is the "
+                                "p95 of recent prediction errors, at least this)",
 }
