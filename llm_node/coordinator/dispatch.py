@@ -33,6 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from opentelemetry.trace import Span
+
 from encdis.client.errors import (
     DeadlineExceeded,
     EncdisError,
@@ -249,7 +251,7 @@ class Dispatcher:
 
     async def _attempt(self, h: EncoderHandle, images: Sequence[bytes], jobs: list[PendingImage],
                        remaining: dict[int, PendingImage], timing: RequestTiming,
-                       deadline: float | None, span) -> _CallFailure | None:
+                       deadline: float | None, span: Span) -> _CallFailure | None:
         """One Encode stream to `h`; None on success, a _CallFailure when others should retry."""
         timeout, predicted, by_caller = self.attempt_timeout(h, jobs, deadline)
         span.set_attribute("encdis.predicted_seconds", predicted)
