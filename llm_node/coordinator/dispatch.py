@@ -33,6 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from opentelemetry.trace import Span
+
 from encdis.client.errors import (
     DeadlineExceeded,
     EncdisError,
@@ -270,7 +272,7 @@ class Dispatcher:
 
     async def _stream(self, h: EncoderHandle, images: Sequence[bytes], jobs: list[PendingImage],
                       remaining: dict[int, PendingImage], timing: RequestTiming, deadline: float | None,
-                      span, progress: CallProgress, *, first_attempt: bool) -> _CallFailure | None:
+                      span: Span, progress: CallProgress, *, first_attempt: bool) -> _CallFailure | None:
         """One Encode stream to `h`; None on success, a _CallFailure when others should retry.
 
         Images another attempt delivered meanwhile (no longer in `remaining`) are checked and
