@@ -70,9 +70,9 @@ class CoordinatorSettings:
     load_report_max_age_seconds: float = 1.0
     # Hedging (hedging.py): a second attempt for images past their predicted finish by a learned
     # margin, where another encoder would finish sooner; extra patches within the budget
-    # (a fraction of the patches sent over the window). Off by default until the e2e suite has
-    # run with it: tests/e2e/test_llm_failures.py expects a frozen-then-killed encoder's images
-    # to be retried, which a hedge would deliver first.
+    # (a fraction of the patches sent over the window). Off by default: with load reports on, a frozen
+    # encoder's calls are hedged and cancelled before its attempt bound marks it slow, so it stays
+    # in the rotation until its connection fails (tests/integration/test_hung_encoders.py).
     hedge: str = "off"
     hedge_budget: float = 0.05
     hedge_window_seconds: float = 60.0
