@@ -6,7 +6,9 @@
 
 One row per encoder: state and why (quarantined, slow, refused, ...), backlog (patches and
 predicted seconds), measured speed, images and patches assigned, consecutive faults, and its
-back-off (length and time left before it is probed again). Reads ListEncoders only.
+back-off (length and time left before it is probed again), and its last ORCA load report as the
+coordinator holds it (queued patches, the encoder's own drain prediction, busy fraction, age).
+Reads ListEncoders only.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from encdis.client.channel_flags import add_channel_flags, channel_security
 from encdis.client.errors import EncdisError
 from encdis.client.generate_client import EncoderInfo, GenerateClient
 
-COLUMNS = ("ENCODER", "STATE", "QUEUE", "PATCHES/S", "IMAGES", "FAULTS", "BACK-OFF", "REASON")
+COLUMNS = ("ENCODER", "STATE", "QUEUE", "PATCHES/S", "IMAGES", "FAULTS", "BACK-OFF", "LAST REPORT", "REASON")
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
 
@@ -77,6 +79,14 @@ def _back_off(e: EncoderInfo) -> str:
     return f"{e.backoff_seconds:g}s ({left})"
 
 
+def _report(e: EncoderInfo) -> str:
+    if e.report is None:
+        return "-"
+    r = e.report
+    return (f"{r['queued_patches']:.0f}p {r['drain_seconds']:.2f}s {r['utilization']:.0%} "
+            f"({e.report_age_seconds:.1f}s ago)")
+
+
 def table_rows(encoders: Sequence[EncoderInfo]) -> list[tuple[str, ...]]:
     return [(
         e.address if e.name in ("", e.address) else f"{e.address} ({e.name})",
@@ -86,6 +96,7 @@ def table_rows(encoders: Sequence[EncoderInfo]) -> list[tuple[str, ...]]:
         str(e.assigned_images),
         str(e.faults),
         _back_off(e),
+        _report(e),
         e.reason or "-",
     ) for e in encoders]
 

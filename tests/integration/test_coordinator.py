@@ -16,7 +16,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 import numpy as np
 import pytest
@@ -48,6 +48,24 @@ def png(width: int, height: int, seed: int) -> bytes:
 
 def encoder_args(model, host: str, port: int = 0) -> list[str]:
     return ["encoder", "--model", str(model), "--host", host, "--port", str(port), "--metrics-port", "0"]
+
+
+@contextlib.contextmanager
+def started_encoders(model, count: int = 2) -> Iterator[list[NodeProcess]]:
+    """`count` encoder-node processes on 127.0.0.1, started together; thawed (a test may have
+    SIGSTOPped one) and stopped at the end."""
+    nodes: list[NodeProcess] = []
+    try:
+        for _ in range(count):
+            nodes.append(NodeProcess(encoder_args(model, "127.0.0.1"), host="127.0.0.1"))
+        for n in nodes:
+            n.wait_ready(NODE_TIMEOUT)
+        yield nodes
+    finally:
+        for n in nodes:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(n.pid, signal.SIGCONT)
+            n.stop()
 
 
 def metric(registry: CollectorRegistry, name: str, **labels: str) -> float:

@@ -21,11 +21,10 @@ from encdis.launcher import NodeProcess
 from tests.integration.test_coordinator import (
     MAX_PIXELS,
     MIN_PIXELS,
-    NODE_TIMEOUT,
     coordinator,
-    encoder_args,
     metric,
     png,
+    started_encoders,
     wait_for,
 )
 
@@ -35,18 +34,8 @@ FLOOR = 20.0  # attempt bound: far beyond any hedge margin here
 
 @pytest.fixture(scope="module")
 def two(tiny_ckpt):
-    nodes = []
-    try:
-        for _ in range(2):
-            nodes.append(NodeProcess(encoder_args(tiny_ckpt, "127.0.0.1"), host="127.0.0.1"))
-        for n in nodes:
-            n.wait_ready(NODE_TIMEOUT)
+    with started_encoders(tiny_ckpt) as nodes:
         yield nodes
-    finally:
-        for n in nodes:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(n.pid, signal.SIGCONT)
-            n.stop()
 
 
 def cancelled_calls(node: NodeProcess) -> float:

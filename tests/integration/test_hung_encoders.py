@@ -25,7 +25,13 @@ from grpc._cython import cygrpc
 from encdis.client.errors import DeadlineExceeded, Unavailable
 from encdis.launcher import NodeProcess
 from encdis.llm_node.coordinator.handle import EncoderState
-from tests.integration.test_coordinator import NODE_TIMEOUT, coordinator, encoder_args, metric, png, wait_for
+from tests.integration.test_coordinator import (
+    coordinator,
+    metric,
+    png,
+    started_encoders,
+    wait_for,
+)
 
 FLOOR = 2.0  # attempt_timeout_floor_seconds: the bound once cost models are fitted (tiny images)
 STOP_SECONDS = 8.0
@@ -34,18 +40,8 @@ FAULTS = "encdis_coordinator_encoder_faults_total"
 
 @pytest.fixture(scope="module")
 def two(tiny_ckpt):
-    nodes = []
-    try:
-        for _ in range(2):
-            nodes.append(NodeProcess(encoder_args(tiny_ckpt, "127.0.0.1"), host="127.0.0.1"))
-        for n in nodes:
-            n.wait_ready(NODE_TIMEOUT)
+    with started_encoders(tiny_ckpt) as nodes:
         yield nodes
-    finally:
-        for n in nodes:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(n.pid, signal.SIGCONT)
-            n.stop()
 
 
 @contextlib.contextmanager

@@ -22,23 +22,21 @@ from encdis.client.generate_client import EncoderInfo
 from encdis.launcher import NodeProcess
 from encdis.llm_node.grpc_front import encoder_info
 from tests.fake_encoder import FakeEncoder
-from tests.integration.test_coordinator import NODE_TIMEOUT, coordinator, encoder_args, metric, png, wait_for
+from tests.integration.test_coordinator import (
+    coordinator,
+    metric,
+    png,
+    started_encoders,
+    wait_for,
+)
 
 ORCA_METHOD = "/xds.service.orca.v3.OpenRcaService/StreamCoreMetrics"
 
 
 @pytest.fixture(scope="module")
 def two(tiny_ckpt):
-    nodes = []
-    try:
-        for _ in range(2):
-            nodes.append(NodeProcess(encoder_args(tiny_ckpt, "127.0.0.1"), host="127.0.0.1"))
-        for n in nodes:
-            n.wait_ready(NODE_TIMEOUT)
+    with started_encoders(tiny_ckpt) as nodes:
         yield nodes
-    finally:
-        for n in nodes:
-            n.stop()
 
 
 def report_stream(channel: grpc.aio.Channel, interval: float):

@@ -64,6 +64,8 @@ async def test_pool_shows_a_quarantined_fake_with_its_reason(real, tiny_ckpt, tm
             await wait_for(lambda: len(coord.pool.serving()) == 2, what="both encoders serving")
             await coord.encode([png(224, 224 - 28 * i, seed=40 + i) for i in range(4)])
             assert fake.calls > 0, "the fake got no image: nothing was tested"
+            await wait_for(lambda: next(e for e in coord.encoders() if e.address == real.address).has_report,
+                           what="the real encoder's first load report")
             server, address = await front_door(coord)
             try:
                 rc, out, err = await encdis("pool", "--server", address, "--json", "--api-key-file", str(key_file))
@@ -76,6 +78,7 @@ async def test_pool_shows_a_quarantined_fake_with_its_reason(real, tiny_ckpt, tm
                 assert 0 < bad["backoff_remaining_seconds"] <= 60.0
                 good = shown[real.address]
                 assert good["state"] == "serving" and good["faults"] == 0 and good["assigned_images"] > 0
+                assert set(good["report"]) == {"queued_patches", "images_in_flight", "drain_seconds", "utilization"}
 
                 rc, out, err = await encdis("pool", "--server", address, "--api-key-file", str(key_file))
                 assert rc == 0, err
@@ -85,7 +88,7 @@ async def test_pool_shows_a_quarantined_fake_with_its_reason(real, tiny_ckpt, tm
                 assert "quarantined" in fake_row and "rows x hidden" in fake_row
                 assert "60s (" in fake_row and "s left)" in fake_row  # the back-off and its time left
                 [real_row] = [r for r in rows if r.startswith(real.address)]
-                assert "serving" in real_row
+                assert "serving" in real_row and "s ago)" in real_row  # its last load report and its age
 
                 # Without the key the front door refuses, and the command says so instead of a table.
                 rc, out, err = await encdis("pool", "--server", address)
