@@ -13,6 +13,7 @@ Images are generated deterministically, as the demo's (no package here ships pho
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -121,18 +122,25 @@ def monolithic(request: pytest.FixtureRequest, tiny_ckpt: Path, equality_cases: 
     return reference_tokens(request.config, tiny_ckpt, equality_cases.values(), tmp_path_factory.mktemp("monolithic"))
 
 
-@pytest.fixture(scope="session")
-def encoder_nodes(tiny_ckpt: Path) -> Iterator[list[NodeProcess]]:
-    """Two real encoder nodes on the session checkpoint (loopback, ephemeral ports)."""
+@contextlib.contextmanager
+def encoder_processes(model: Path, *flags: str, count: int = 2) -> Iterator[list[NodeProcess]]:
+    """`count` real encoder nodes on `model` with extra `flags` (loopback, ephemeral ports)."""
     nodes: list[NodeProcess] = []
     try:
-        for _ in range(2):
-            nodes.append(start_node(["encoder", "--model", str(tiny_ckpt), "--host", "127.0.0.1", "--port", "0",
-                                     "--metrics-port", "0"], timeout=300))
+        for _ in range(count):
+            nodes.append(start_node(["encoder", "--model", str(model), "--host", "127.0.0.1", "--port", "0",
+                                     "--metrics-port", "0", *flags], timeout=300))
         yield nodes
     finally:
         for n in nodes:
             n.stop()
+
+
+@pytest.fixture(scope="session")
+def encoder_nodes(tiny_ckpt: Path) -> Iterator[list[NodeProcess]]:
+    """Two real encoder nodes on the session checkpoint."""
+    with encoder_processes(tiny_ckpt) as nodes:
+        yield nodes
 
 
 # The equality tests send 8 requests at once; the admission test sends 3x this many.

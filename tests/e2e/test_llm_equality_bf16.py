@@ -25,7 +25,7 @@ from encdis.client import GenerateClient
 from encdis.launcher import NodeProcess, start_node
 from encdis.llm_node.demo import synthetic_photo
 from encdis.llm_node.reference import Case
-from tests.e2e.conftest import reference_tokens
+from tests.e2e.conftest import encoder_processes, reference_tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
@@ -60,15 +60,8 @@ def monolithic_bf16(request: pytest.FixtureRequest, tiny_ckpt: Path, bf16_cases:
 
 @pytest.fixture(scope="module")
 def bf16_encoders(tiny_ckpt: Path) -> Iterator[list[NodeProcess]]:
-    nodes: list[NodeProcess] = []
-    try:
-        for _ in range(2):
-            nodes.append(start_node(["encoder", "--model", str(tiny_ckpt), "--host", "127.0.0.1", "--port", "0",
-                                     "--metrics-port", "0", "--dtype", "bfloat16"], timeout=300))
+    with encoder_processes(tiny_ckpt, "--dtype", "bfloat16") as nodes:
         yield nodes
-    finally:
-        for n in nodes:
-            n.stop()
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import pytest
 from encdis.client import GenerateClient
 from encdis.launcher import NodeProcess, start_node
 from encdis.tiny_checkpoint import make_tiny_checkpoint
-from tests.e2e.conftest import reference_tokens
+from tests.e2e.conftest import encoder_processes, reference_tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
@@ -47,15 +47,8 @@ def monolithic_tp2(request, three_head_ckpt: Path, equality_cases, tmp_path_fact
 
 @pytest.fixture(scope="module")
 def encoder_nodes(three_head_ckpt: Path) -> Iterator[list[NodeProcess]]:
-    nodes: list[NodeProcess] = []
-    try:
-        for _ in range(2):
-            nodes.append(start_node(["encoder", "--model", str(three_head_ckpt), "--host", "127.0.0.1",
-                                     "--port", "0", "--metrics-port", "0"], timeout=300))
+    with encoder_processes(three_head_ckpt) as nodes:
         yield nodes
-    finally:
-        for n in nodes:
-            n.stop()
 
 
 @pytest.fixture(scope="module")
