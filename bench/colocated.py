@@ -5,7 +5,7 @@
 Both modes use the project's code end to end, minus the tower: the sender is the encoder's
 send path over a pre-made tensor (servicer.reply_frames for gRPC; encoder_node/colocated.py's
 header + pair send for co-located), the receiver an EncoderHandle's encode_iter with
-per-image expectations, then dispatch.embedding_tensor. `colocated` is a gloo pair (this
+per-image expectations, then records.embedding_tensor. `colocated` is a gloo pair (this
 machine has no GPU), opened once (colocated_link.open_link) and reused, as the coordinator
 does. Modes alternate within each round; a cell is the median MB/s (1e6 bytes/s) after one
 uncounted warm-up round.
@@ -90,7 +90,7 @@ def serve() -> None:
 
 async def receive(handle, rows: int, hidden: int, receiver=None) -> float:
     from encdis.client.wire import ExpectedEmbedding
-    from encdis.llm_node.coordinator.dispatch import embedding_tensor
+    from encdis.llm_node.coordinator.records import embedding_tensor
 
     t0 = time.perf_counter()
     async for emb in handle.client.encode_iter([f"{rows},{hidden}".encode()],

@@ -14,7 +14,7 @@ one over 127.0.0.1, into memory the receiver can hand on:
          (servicer.reply_frames from a pre-made tensor, registered by add_encoder_service, the
          encoder node's server options) and the coordinator's receiver (an EncoderHandle's
          channel and AsyncEncoderClient.encode_iter with per-image expectations, then
-         dispatch.embedding_tensor: the torch tensor handed to the engine).
+         records.embedding_tensor: the torch tensor handed to the engine).
 
 The sender runs in its own process (`--serve`), as an encoder node does. Modes alternate within
 each round (load drifts within seconds); a cell is the median MB/s per mode and the median of
@@ -217,7 +217,7 @@ async def bare_receive(channel: grpc.aio.Channel, nbytes: int, chunk: int, keep:
 
 async def encdis_receive(handle, rows: int, hidden: int, chunk: int, keep: list | None = None) -> float:
     from encdis.client.wire import ExpectedEmbedding
-    from encdis.llm_node.coordinator.dispatch import embedding_tensor
+    from encdis.llm_node.coordinator.records import embedding_tensor
 
     expected = [ExpectedEmbedding(rows, hidden, "BF16", 4 * rows)]
     t0 = time.perf_counter()

@@ -101,7 +101,7 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
         sent = 0
         while True:
             if self.report_hang_after is not None and sent >= self.report_hang_after:
-                await asyncio.sleep(3600)  # the stream stays open, silent
+                await asyncio.get_running_loop().create_future()  # open and silent until cancelled
             report = orca_load_report_pb2.OrcaLoadReport(application_utilization=0.0)
             report.named_metrics["queued_patches"] = self.report_queued_patches
             report.named_metrics["images_in_flight"] = 0.0

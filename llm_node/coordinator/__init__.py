@@ -22,7 +22,7 @@ Modules, one role each:
     load_reports     encoders' ORCA load reports, and the backlog predicted from them
     hedging          second attempts for straggling calls: when, where, within which budget
     embedding_cache  LRU by bytes, one encode per in-flight digest
-    records          ImageEmbedding, EncodeResult, EncoderStatus
+    records          ImageEmbedding, EncodeResult, EncoderStatus; embedding_tensor (no-copy view of a received one)
     metrics          encdis_coordinator_* metrics
 """
 

@@ -44,23 +44,23 @@ from encdis.client.errors import (
     Unavailable,
     WireError,
 )
-from encdis.client.wire import DATATYPES, Embedding, ExpectedEmbedding
+from encdis.client.wire import Embedding, ExpectedEmbedding
 from encdis.tracing import Tracing, record_span, trace_metadata
 
 from .assignment import assign
 from .colocated import ColocatedTransport
 from .colocated_link import ColocatedFailure
 from .embedding_cache import EmbeddingCache
-from .expectation import PendingImage, embedding_mismatch
+from .expectation import PendingImage, embedding_mismatch, request_numbering
 from .handle import EncoderHandle, EncoderState
 from .hedging import CallProgress, Hedger
 from .metrics import CoordinatorMetrics
 from .pool import EncoderPool
-from .records import ImageEmbedding
+from .records import ImageEmbedding, embedding_tensor
 from .settings import CoordinatorSettings
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -335,7 +335,7 @@ class Dispatcher:
                         h.cost_model.observe(list(emb.batch.image_patches), emb.batch.seconds)
             return None
         except InvalidArgument as e:
-            raise _request_numbering(e, jobs) from None
+            raise request_numbering(e, jobs) from None
         except ColocatedFailure as e:
             # The pair failed, not the encoder (the pair is closed): the images go again, over gRPC.
             return _CallFailure(h, e, jobs)
@@ -381,16 +381,6 @@ class Dispatcher:
         return ImageEmbedding(embeds=embedding_tensor(emb), grid_thw=emb.grid_thw, digest=job.digest)
 
 
-def embedding_tensor(emb: Embedding) -> torch.Tensor:
-    """A (tokens, hidden) tensor over the buffer the receiver filled in place: no copy, never unpickled."""
-    import torch
-
-    if emb.datatype not in DATATYPES:
-        raise WireError(f"image {emb.image_index}: unknown datatype {emb.datatype!r}")
-    t = torch.frombuffer(emb.data, dtype=getattr(torch, DATATYPES[emb.datatype].torch))
-    return t.view(emb.shape[0], emb.shape[1])
-
-
 async def _run_all(calls: list) -> list[_CallFailure | None]:
     """Run the calls concurrently; on a fatal error (e.g. a bad image) cancel the rest and raise."""
     tasks = [asyncio.ensure_future(c) for c in calls]
@@ -407,15 +397,3 @@ def _check_deadline(deadline: float | None, remaining: dict[int, PendingImage], 
     if deadline is not None and time.monotonic() >= deadline:
         tail = f"; after failures: {', '.join(failures[-3:])}" if failures else ""
         raise DeadlineExceeded(f"the request's deadline passed with image(s) {sorted(remaining)} not encoded{tail}")
-
-
-def _request_numbering(e: InvalidArgument, jobs: list[PendingImage]) -> InvalidArgument:
-    """The encoder's error about image <call index> (its BadRequest details) renumbered to the
-    request's image index; an encoder that names no image is taken at its word only for a
-    one-image call."""
-    local = e.image_index
-    if local is not None and local < len(jobs):
-        return InvalidArgument.for_image(jobs[local].index, e.image_reason or e.message, reason=e.reason)
-    if len(jobs) == 1:
-        return InvalidArgument.for_image(jobs[0].index, e.message, reason=e.reason)
-    return InvalidArgument(f"one of images {[j.index for j in jobs]}: {e.message}", reason=e.reason)

@@ -6,13 +6,15 @@ bounds), hence the embedding's rows (t*h*w / merge_size**2); the hidden size is 
 the datatype the pool's (identity.py), the digest the coordinator's own. An embedding
 that differs in any of them is refused (`embedding_mismatch`): fewer rows would break the
 engine's split of the concatenated embeddings, more rows or another image's bytes would
-silently change answers.
+silently change answers. An encoder's error about an image of its call is renumbered to the
+request's image (`request_numbering`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from encdis.client.errors import InvalidArgument
 from encdis.client.wire import DATATYPES, Embedding
 
 
@@ -46,3 +48,15 @@ def embedding_mismatch(emb: Embedding, job: PendingImage, hidden_size: int, data
         return (f"encoder's digest {emb.digest[:16] or '(none)'}... differs from ours {job.digest[:16]}... "
                 f"(other weights, resize bounds or image loader)")
     return None
+
+
+def request_numbering(e: InvalidArgument, jobs: list[PendingImage]) -> InvalidArgument:
+    """The encoder's error about image <call index> (its BadRequest details) renumbered to the
+    request's image index; an encoder that names no image is taken at its word only for a
+    one-image call."""
+    local = e.image_index
+    if local is not None and local < len(jobs):
+        return InvalidArgument.for_image(jobs[local].index, e.image_reason or e.message, reason=e.reason)
+    if len(jobs) == 1:
+        return InvalidArgument.for_image(jobs[0].index, e.message, reason=e.reason)
+    return InvalidArgument(f"one of images {[j.index for j in jobs]}: {e.message}", reason=e.reason)

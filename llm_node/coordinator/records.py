@@ -1,9 +1,13 @@
-"""What the coordinator hands out: embeddings, a request's result, an encoder's status."""
+"""What the coordinator hands out: embeddings (and the tensor over a received one's buffer), a
+request's result, an encoder's status."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from encdis.client.errors import WireError
+from encdis.client.wire import DATATYPES, Embedding
 
 if TYPE_CHECKING:
     import torch
@@ -69,3 +73,13 @@ class EncoderStatus:
     report_drain_seconds: float = 0.0
     report_utilization: float = 0.0
     lateness_seconds: float = 0.0  # how late its calls recently finished past their prediction
+
+
+def embedding_tensor(emb: Embedding) -> torch.Tensor:
+    """A (tokens, hidden) tensor over the buffer the receiver filled in place: no copy, never unpickled."""
+    import torch
+
+    if emb.datatype not in DATATYPES:
+        raise WireError(f"image {emb.image_index}: unknown datatype {emb.datatype!r}")
+    t = torch.frombuffer(emb.data, dtype=getattr(torch, DATATYPES[emb.datatype].torch))
+    return t.view(emb.shape[0], emb.shape[1])

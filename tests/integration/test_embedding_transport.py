@@ -1,7 +1,7 @@
 """Embeddings at real sizes over a real grpc.aio server on loopback: the encoder's send path
 (servicer.reply_frames, registered by add_encoder_service) into the coordinator's receiver
 (an EncoderHandle's AsyncEncoderClient.encode_iter with per-image expectations, then
-dispatch.embedding_tensor), byte for byte; and a misbehaving peer refused at the wire, with
+records.embedding_tensor), byte for byte; and a misbehaving peer refused at the wire, with
 nothing allocated beyond what the caller expects, while the receiver keeps working."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from encdis.client.errors import WireError
 from encdis.client.pb import encoder_pb2, encoder_pb2_grpc
 from encdis.client.wire import ExpectedEmbedding
 from encdis.encoder_node.servicer import add_encoder_service, reply_frames
-from encdis.llm_node.coordinator.dispatch import embedding_tensor
 from encdis.llm_node.coordinator.handle import EncoderHandle
+from encdis.llm_node.coordinator.records import embedding_tensor
 
 HIDDEN = 8192  # Qwen2.5-VL-72B
 ROWS_1080P = 2691  # 1920x1080 after smart_resize with Qwen2.5-VL's bounds: grid (1, 78, 138) / 4
