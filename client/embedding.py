@@ -17,6 +17,11 @@ if TYPE_CHECKING:
     from encdis.client.pb import encoder_pb2
 
 
+# Implementations of the vision tower an encoder may run (encoder_node/tower.py, vllm_tower.py):
+# part of the model identity, as the datatype is.
+TOWER_IMPLS = ("vllm", "transformers")
+
+
 @dataclass(frozen=True)
 class Datatype:
     """One wire datatype and its names elsewhere: the one table of embedding dtypes."""
@@ -56,6 +61,14 @@ class AcceptedBacklog:
 
     seconds: float
     queued_patches: int
+
+
+def set_accepted_backlog(header: encoder_pb2.EmbeddingHeader, backlog: AcceptedBacklog | None) -> None:
+    """Write `backlog` into an EmbeddingHeader (embedding_of reads it back); None: not sent."""
+    if backlog is not None:
+        header.has_accepted_backlog = True
+        header.accepted_backlog_seconds = backlog.seconds
+        header.accepted_queued_patches = backlog.queued_patches
 
 
 @dataclass(frozen=True)

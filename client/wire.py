@@ -28,6 +28,7 @@ from google.protobuf.message import DecodeError
 from encdis.client.chunk_frames import chunk_frame, header_frame, parse_chunk_frame, parse_header_frame
 from encdis.client.embedding import (
     DATATYPES,
+    TOWER_IMPLS,
     AcceptedBacklog,
     BatchInfo,
     Datatype,
@@ -37,6 +38,7 @@ from encdis.client.embedding import (
     decode_array,
     embedding_of,
     itemsize,
+    set_accepted_backlog,
 )
 from encdis.client.errors import WireError
 from encdis.client.pb import encoder_pb2
@@ -44,16 +46,12 @@ from encdis.client.pb import encoder_pb2
 # The embedding types are part of this module's interface (encdis.client.embedding holds them).
 __all__ = [
     "DATATYPES", "DEFAULT_MAX_CHUNK_BYTES", "AcceptedBacklog", "BatchInfo", "ChunkCopy", "Datatype", "Embedding",
-    "EmbeddingAssembler",
-    "ExpectedEmbedding", "StreamDecoder", "check_header", "chunk_bytes", "content_digest", "datatype",
-    "datatype_of_torch", "decode_array", "decode_stream", "embedding_frames", "embedding_messages", "embedding_of",
-    "itemsize", "serialize_response", "set_accepted_backlog", "TOWER_IMPLS",
+    "EmbeddingAssembler", "ExpectedEmbedding", "StreamDecoder", "check_header", "chunk_bytes", "content_digest",
+    "datatype", "datatype_of_torch", "decode_array", "decode_stream", "embedding_frames", "embedding_messages",
+    "embedding_of", "itemsize", "serialize_response", "set_accepted_backlog", "TOWER_IMPLS",
 ]
 
 DEFAULT_MAX_CHUNK_BYTES = 4 * 1024 * 1024
-
-# Implementations of the vision tower an encoder may run (encoder_node/tower.py, vllm_tower.py).
-TOWER_IMPLS = ("vllm", "transformers")
 
 
 def content_digest(image: bytes, min_pixels: int, max_pixels: int, weights_fingerprint: str,
@@ -115,13 +113,6 @@ def _embedding_header(*, image_index: int, grid_thw: tuple[int, int, int], datat
         header.batch.image_patches.extend(batch.image_patches)
     set_accepted_backlog(header, accepted_backlog)
     return header, chunks
-
-
-def set_accepted_backlog(header: encoder_pb2.EmbeddingHeader, backlog: AcceptedBacklog | None) -> None:
-    if backlog is not None:
-        header.has_accepted_backlog = True
-        header.accepted_backlog_seconds = backlog.seconds
-        header.accepted_queued_patches = backlog.queued_patches
 
 
 def embedding_messages(

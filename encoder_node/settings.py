@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from encdis import settings_flags
+from encdis.client import wire
 from encdis.settings_flags import DTYPES
 from encdis.tls import check_flags as check_tls_flags
 
 LOADERS = ("vllm", "transformers")  # encoder_node/image_loader.py
-TOWER_IMPLS = ("auto", "vllm", "transformers")  # encoder_node/vllm_tower.py, encoder_node/tower.py
+TOWER_IMPLS = ("auto", *wire.TOWER_IMPLS)  # encoder_node/vllm_tower.py, encoder_node/tower.py
 
 log = logging.getLogger(__name__)
 

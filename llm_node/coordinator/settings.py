@@ -14,7 +14,7 @@ COLOCATED_MODES = ("auto", "off", "require")
 ON_OFF = ("on", "off")
 ENCODER_DATATYPES = ("FP32", "BF16", "FP16")  # client.wire.DATATYPES, without importing the SDK here
 IMAGE_LOADERS = ("vllm", "transformers")
-ENCODER_TOWER_IMPLS = ("auto", "vllm", "transformers")  # client.wire.TOWER_IMPLS, plus auto
+ENCODER_TOWER_IMPLS = ("auto", "vllm", "transformers")  # client.wire.TOWER_IMPLS plus auto, as the datatypes
 # Encoder nodes accept HTTP/2 pings this often (encoder_node/server.py's keepalive permit).
 MIN_KEEPALIVE_SECONDS = 1.0
 
