@@ -14,7 +14,7 @@ from encdis.checkpoint import read_processor_config, text_hidden_size, weights_f
 from encdis.client.errors import IMAGE_INVALID, InvalidArgument, Unavailable
 from encdis.llm_node import settings as llm_settings
 from encdis.llm_node.coordinator.coordinator import Coordinator
-from encdis.llm_node.coordinator.dispatch import PendingImage, _request_numbering
+from encdis.llm_node.coordinator.expectation import PendingImage, request_numbering
 from encdis.llm_node.coordinator.identity import ModelIdentity
 from encdis.llm_node.coordinator.settings import CoordinatorSettings
 
@@ -51,15 +51,15 @@ def test_new_style_processor_bounds_are_read() -> None:
 def test_encoder_errors_are_renumbered_to_the_request() -> None:
     jobs = [PendingImage(index=3, digest="a", grid=(1, 8, 8), rows=16),
             PendingImage(index=5, digest="b", grid=(1, 8, 8), rows=16)]
-    err = _request_numbering(InvalidArgument.for_image(1, "cannot decode PNG: truncated"), jobs)
+    err = request_numbering(InvalidArgument.for_image(1, "cannot decode PNG: truncated"), jobs)
     assert err.message == "image 5: cannot decode PNG: truncated"
     assert (err.image_index, err.image_reason, err.reason) == (5, "cannot decode PNG: truncated", IMAGE_INVALID)
-    err = _request_numbering(InvalidArgument("min_pixels 1 is outside [3136, 200704]"), jobs[:1])
+    err = request_numbering(InvalidArgument("min_pixels 1 is outside [3136, 200704]"), jobs[:1])
     assert err.message.startswith("image 3: ") and err.image_index == 3
     # The text is never read: an encoder whose details name no image (or one it was not sent)
     # does not get to pick which of several images is to blame.
     for untrusted in (InvalidArgument("image 1: bad"), InvalidArgument.for_image(7, "bad")):
-        err = _request_numbering(untrusted, jobs)
+        err = request_numbering(untrusted, jobs)
         assert err.image_index is None and err.message.startswith("one of images [3, 5]: ")
 
 
