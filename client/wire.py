@@ -48,8 +48,7 @@ __all__ = [
     "DATATYPES", "DEFAULT_MAX_CHUNK_BYTES", "AcceptedBacklog", "BatchInfo", "ChunkCopy", "Datatype", "Embedding",
     "EmbeddingAssembler", "ExpectedEmbedding", "StreamDecoder", "check_header", "chunk_bytes", "content_digest",
     "datatype", "datatype_of_torch", "decode_array", "decode_stream", "embedding_frames", "embedding_messages",
-    "embedding_of", "itemsize", "serialize_response", "set_accepted_backlog", "TOWER_IMPLS",
-]
+    "embedding_of", "itemsize", "serialize_response", "set_accepted_backlog", "TOWER_IMPLS"]
 
 DEFAULT_MAX_CHUNK_BYTES = 4 * 1024 * 1024
 
