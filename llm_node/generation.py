@@ -104,6 +104,7 @@ class GenerationService:
                 req.slot.release()
             raise Unavailable("the LLM node is draining; send the request to another node")
         code = "OK"
+        finished = False  # the last step (with the totals) was delivered
         # The request's span; made current only around plain awaits (never across a yield).
         span = self.tracing.tracer.start_span("encdis.generate", context=context_from_metadata(req.trace_context),
                                               kind=SpanKind.SERVER, attributes={"encdis.images": len(req.images),
@@ -112,9 +113,12 @@ class GenerationService:
             try:
                 with req.slot or self.admission.take() as slot:
                     async for step in self._generate(req, slot, span):
+                        finished = step.finished
                         yield step
             except (asyncio.CancelledError, GeneratorExit):
-                code = "CANCELLED"
+                # A caller that closes the stream once it holds the last step (the HTTP door
+                # does) was served in full; only one that leaves before it cancelled.
+                code = "OK" if finished else "CANCELLED"
                 raise
             except Exception as e:
                 code = getattr(getattr(e, "code", None), "name", "INTERNAL")

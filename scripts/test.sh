@@ -4,6 +4,8 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 bash "$ROOT/scripts/setup_cpu.sh" "$ROOT/.venv"
+# The standard benchmark clients the e2e tests run against the OpenAI door (GuideLLM).
+bash "$ROOT/scripts/setup_bench_clients.sh" "$ROOT/.venv-bench"
 cd "$ROOT"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 exec "$ROOT/.venv/bin/python" -m pytest -ra "$@"
