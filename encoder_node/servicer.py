@@ -26,12 +26,14 @@ import torch
 from opentelemetry.trace import Span, SpanKind
 
 import encdis
-from encdis.client.errors import EncdisError, InvalidArgument, ResourceExhausted, Unavailable
+from encdis.client.embedding import MAX_DIGEST_CHARS, MAX_HAS_DIGESTS
+from encdis.client.errors import EncdisError, FieldViolation, InvalidArgument, ResourceExhausted, Unavailable
 from encdis.client.pb import encoder_pb2, encoder_pb2_grpc
 from encdis.client.wire import AcceptedBacklog, BatchInfo, embedding_frames, serialize_response
 from encdis.encoder_node.batcher import Batcher
 from encdis.encoder_node.colocated import ColocatedSessions
 from encdis.encoder_node.decode_budget import DecodeBudget
+from encdis.encoder_node.embedding_cache import EmbeddingCache
 from encdis.encoder_node.metrics import EncoderMetrics
 from encdis.encoder_node.preprocess import ImagePreprocessor
 from encdis.encoder_node.settings import EncoderSettings
@@ -62,13 +64,14 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 def reply_frames(index: int, grid_thw: tuple[int, int, int], digest: str, embedding: torch.Tensor, datatype: str,
                  max_chunk_bytes: int, *, batch: BatchInfo | None = None,
-                 queue_seconds: float = 0.0, accepted_backlog: AcceptedBacklog | None = None) -> Iterator[bytes]:
+                 queue_seconds: float = 0.0, accepted_backlog: AcceptedBacklog | None = None,
+                 cached: bool = False) -> Iterator[bytes]:
     """One image's embedding as Encode sends it: its header, then chunks sliced from the tensor in place."""
     return embedding_frames(
         image_index=index, grid_thw=grid_thw, datatype=datatype,
         shape=(int(embedding.shape[0]), int(embedding.shape[1])), data=tensor_bytes(embedding),
         digest=digest, max_chunk_bytes=max_chunk_bytes, batch=batch, queue_seconds=queue_seconds,
-        accepted_backlog=accepted_backlog,
+        accepted_backlog=accepted_backlog, cached=cached,
     )
 
 
@@ -88,6 +91,9 @@ def add_encoder_service(servicer: encoder_pb2_grpc.EncoderServiceServicer, serve
         "CloseColocated": grpc.unary_unary_rpc_method_handler(
             servicer.CloseColocated, request_deserializer=encoder_pb2.CloseColocatedRequest.FromString,
             response_serializer=encoder_pb2.CloseColocatedResponse.SerializeToString),
+        "Has": grpc.unary_unary_rpc_method_handler(
+            servicer.Has, request_deserializer=encoder_pb2.HasRequest.FromString,
+            response_serializer=encoder_pb2.HasResponse.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
     server.add_registered_method_handlers(service, handlers)
@@ -102,6 +108,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self._draining = False
         self._calls = InFlight(metrics.inflight_requests)
         self._decoding = DecodeBudget(settings.max_decoding_pixels)
+        self.cache = EmbeddingCache(settings.resolved_cache_bytes, metrics)
         self.colocated = ColocatedSessions()  # co-located transport sessions (encoder_node/colocated.py)
 
     # ---- lifecycle (called by server.py)
@@ -159,7 +166,21 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             max_chunk_bytes=s.max_chunk_bytes,
             image_loader=pre.image_loader,
             tower_impl=m.tower.impl,
+            cache_bytes=self.cache.budget_bytes,
         )
+
+    async def Has(self, request: encoder_pb2.HasRequest,
+                  context: grpc.aio.ServicerContext) -> encoder_pb2.HasResponse:
+        digests = request.digests
+        if len(digests) > MAX_HAS_DIGESTS:
+            raise InvalidArgument(f"{len(digests)} digests, the limit is {MAX_HAS_DIGESTS} per call",
+                                  reason="TOO_MANY_DIGESTS", metadata={"limit": str(MAX_HAS_DIGESTS)})
+        for i, d in enumerate(digests):
+            if len(d) > MAX_DIGEST_CHARS:
+                raise InvalidArgument(f"digest {i} has {len(d)} characters, the limit is {MAX_DIGEST_CHARS}",
+                                      reason="DIGEST_TOO_LONG", metadata={"limit": str(MAX_DIGEST_CHARS)},
+                                      violations=[FieldViolation(f"digests[{i}]", "longer than the limit")])
+        return encoder_pb2.HasResponse(present=[self.cache.has(d) for d in digests])
 
     async def OpenColocated(self, request: encoder_pb2.OpenColocatedRequest,
                             context: grpc.aio.ServicerContext) -> encoder_pb2.OpenColocatedResponse:
