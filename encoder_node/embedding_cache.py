@@ -14,10 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import os
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
+
+from encdis.client.embedding import DATATYPES
 
 DEFAULT_MAX_BYTES = 2 * 1024**3
 DEFAULT_SHARE = 0.05  # of the memory limit
@@ -35,6 +40,19 @@ class CachedEmbedding:
     @property
     def nbytes(self) -> int:
         return len(self.data)
+
+    @classmethod
+    def of(cls, embedding, grid_thw: tuple[int, int, int], datatype: str) -> CachedEmbedding:
+        """One copy of a CPU tensor's raw bytes, made once: nothing writes them afterwards."""
+        raw = embedding.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        return cls(raw, tuple(grid_thw), (int(embedding.shape[0]), int(embedding.shape[1])), datatype)
+
+    def tensor(self) -> torch.Tensor:
+        """A read-only view as the tower's dtype, for the reply framing (which only reads it)."""
+        dtype = getattr(torch, DATATYPES[self.datatype].torch)
+        with warnings.catch_warnings():  # frombuffer warns that bytes are not writable: they are never written
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(self.data, dtype=dtype).reshape(self.shape)
 
 
 def memory_limit_bytes(cgroup_root: Path = Path("/sys/fs/cgroup"),
