@@ -21,6 +21,10 @@ if TYPE_CHECKING:
 # part of the model identity, as the datatype is.
 TOWER_IMPLS = ("vllm", "transformers")
 
+# EncoderService.Has: digests per call and characters per digest the node accepts.
+MAX_HAS_DIGESTS = 1024
+MAX_DIGEST_CHARS = 128
+
 
 @dataclass(frozen=True)
 class Datatype:
@@ -86,6 +90,7 @@ class Embedding:
     accepted_backlog: AcceptedBacklog | None = None  # the node's load when it took the call
     # Measured by the receiver: from its header's arrival to its last chunk's.
     receive_seconds: float = 0.0
+    cached: bool = False  # served from the encoder's embedding cache: no forward ran (batch is None)
 
     @property
     def num_patches(self) -> int:
@@ -140,4 +145,5 @@ def embedding_of(h: encoder_pb2.EmbeddingHeader, data: memoryview, receive_secon
         accepted_backlog=(AcceptedBacklog(h.accepted_backlog_seconds, h.accepted_queued_patches)
                           if h.has_accepted_backlog else None),
         receive_seconds=receive_seconds,
+        cached=h.cached,
     )

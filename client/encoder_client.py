@@ -70,6 +70,7 @@ class EncoderDescription:
     image_loader: str = ""
     tower_impl: str = ""  # "vllm" or "transformers" ("" from an encoder that does not report it)
     net_namespace: str = ""  # with boot_id: equal both ways means one loopback
+    cache_bytes: int = 0  # the node's embedding cache budget (0: no cache)
 
     @classmethod
     def from_proto(cls, r: encoder_pb2.DescribeResponse) -> EncoderDescription:
@@ -95,6 +96,7 @@ class EncoderDescription:
             image_loader=r.image_loader,
             tower_impl=r.tower_impl,
             net_namespace=r.net_namespace,
+            cache_bytes=r.cache_bytes,
         )
 
 
@@ -142,6 +144,14 @@ class EncoderClient(SyncClient):
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         return EncoderDescription.from_proto(r)
+
+    def has(self, digests: Sequence[str], *, timeout: float | None = None) -> list[bool]:
+        """For each content digest, whether the node's cache holds its finished embedding."""
+        try:
+            r = self._stub.Has(encoder_pb2.HasRequest(digests=list(digests)), timeout=timeout or self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        return list(r.present)
 
 
 class AsyncEncoderClient(AsyncClient):
@@ -225,6 +235,14 @@ class AsyncEncoderClient(AsyncClient):
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         return EncoderDescription.from_proto(r)
+
+    async def has(self, digests: Sequence[str], *, timeout: float | None = None) -> list[bool]:
+        """For each content digest, whether the node's cache holds its finished embedding."""
+        try:
+            r = await self._stub.Has(encoder_pb2.HasRequest(digests=list(digests)), timeout=timeout or self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        return list(r.present)
 
     async def close(self) -> None:
         await super().close()

@@ -73,7 +73,6 @@ def content_digest(image: bytes, min_pixels: int, max_pixels: int, weights_finge
     return h.hexdigest()
 
 
-
 def chunk_bytes(data: bytes | memoryview, max_chunk_bytes: int) -> Iterator[memoryview]:
     """Split into consecutive views of at most `max_chunk_bytes` (at least one, even if empty)."""
     if max_chunk_bytes <= 0:
@@ -88,7 +87,7 @@ def chunk_bytes(data: bytes | memoryview, max_chunk_bytes: int) -> Iterator[memo
 
 def _embedding_header(*, image_index: int, grid_thw: tuple[int, int, int], datatype: str, shape: tuple[int, int],
                       data: bytes | memoryview, digest: str, max_chunk_bytes: int, batch: BatchInfo | None,
-                      queue_seconds: float, accepted_backlog: AcceptedBacklog | None = None,
+                      queue_seconds: float, accepted_backlog: AcceptedBacklog | None = None, cached: bool = False,
                       ) -> tuple[encoder_pb2.EmbeddingHeader, list[memoryview]]:
     """The header of one image's embedding and the views its chunks carry (no bytes copied)."""
     expected = shape[0] * shape[1] * itemsize(datatype)
@@ -106,6 +105,7 @@ def _embedding_header(*, image_index: int, grid_thw: tuple[int, int, int], datat
         total_bytes=expected,
         num_chunks=len(chunks),
         queue_seconds=queue_seconds,
+        cached=cached,
     )
     if batch is not None:
         header.batch.seconds = batch.seconds
@@ -149,7 +149,7 @@ def embedding_frames(
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
     batch: BatchInfo | None = None,
     queue_seconds: float = 0.0,
-    accepted_backlog: AcceptedBacklog | None = None,
+    accepted_backlog: AcceptedBacklog | None = None, cached: bool = False,  # cached: no forward ran
 ) -> Iterator[bytes]:
     """The embedding as serialised messages, chunk 0 in the header's; each chunk is one copy of its bytes.
 
@@ -158,7 +158,7 @@ def embedding_frames(
     """
     header, chunks = _embedding_header(image_index=image_index, grid_thw=grid_thw, datatype=datatype, shape=shape,
                                        data=data, digest=digest, max_chunk_bytes=max_chunk_bytes, batch=batch,
-                                       queue_seconds=queue_seconds, accepted_backlog=accepted_backlog)
+                                       queue_seconds=queue_seconds, accepted_backlog=accepted_backlog, cached=cached)
     yield header_frame(encoder_pb2.EncodeResponse(header=header).SerializeToString(), image_index, chunks[0])
     for i in range(1, len(chunks)):
         yield chunk_frame(image_index, i, chunks[i])

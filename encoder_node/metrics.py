@@ -43,3 +43,14 @@ class EncoderMetrics:
             "encdis_encoder_load_reports_total", "ORCA load reports sent (StreamCoreMetrics)", registry=r)
         self.inflight_requests = Gauge(
             "encdis_encoder_inflight_requests", "Encode calls in progress", registry=r)
+        # The embedding cache (embedding_cache.py): hits ran no forward, so images_total never counts them.
+        self.cache_hits = Counter(
+            "encdis_encoder_cache_hits_total", "Images served from the embedding cache (no forward)", registry=r)
+        self.cache_misses = Counter(
+            "encdis_encoder_cache_misses_total", "Images not in the embedding cache (a cache is on)", registry=r)
+        self.cache_bytes = Gauge(
+            "encdis_encoder_cache_bytes", "Bytes of embeddings held by the embedding cache", registry=r)
+        self.cache_evictions = Counter(
+            "encdis_encoder_cache_evictions_total", "Embeddings evicted from the cache to fit its budget", registry=r)
+        self.cache_budget_bytes = Gauge(
+            "encdis_encoder_cache_budget_bytes", "Byte budget of the embedding cache (0: off)", registry=r)

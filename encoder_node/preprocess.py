@@ -138,6 +138,10 @@ class ImagePreprocessor:
             index=index,
             pixel_values=out["pixel_values"],
             grid_thw=(t, h, w),
-            digest=content_digest(data, min_pixels, max_pixels, self.weights_fingerprint, self.image_loader,
-                                  self.datatype, self.tower_impl),
+            digest=self.digest(data, min_pixels, max_pixels),
         )
+
+    def digest(self, data: bytes, min_pixels: int, max_pixels: int) -> str:
+        """The image's content digest: known before decoding, so a cached image is never decoded."""
+        return content_digest(data, min_pixels, max_pixels, self.weights_fingerprint, self.image_loader,
+                              self.datatype, self.tower_impl)

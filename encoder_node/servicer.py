@@ -26,12 +26,14 @@ import torch
 from opentelemetry.trace import Span, SpanKind
 
 import encdis
-from encdis.client.errors import EncdisError, InvalidArgument, ResourceExhausted, Unavailable
+from encdis.client.embedding import MAX_DIGEST_CHARS, MAX_HAS_DIGESTS
+from encdis.client.errors import EncdisError, FieldViolation, InvalidArgument, ResourceExhausted, Unavailable
 from encdis.client.pb import encoder_pb2, encoder_pb2_grpc
 from encdis.client.wire import AcceptedBacklog, BatchInfo, embedding_frames, serialize_response
 from encdis.encoder_node.batcher import Batcher
 from encdis.encoder_node.colocated import ColocatedSessions
 from encdis.encoder_node.decode_budget import DecodeBudget
+from encdis.encoder_node.embedding_cache import CachedEmbedding, EmbeddingCache
 from encdis.encoder_node.metrics import EncoderMetrics
 from encdis.encoder_node.preprocess import ImagePreprocessor
 from encdis.encoder_node.settings import EncoderSettings
@@ -62,13 +64,14 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 def reply_frames(index: int, grid_thw: tuple[int, int, int], digest: str, embedding: torch.Tensor, datatype: str,
                  max_chunk_bytes: int, *, batch: BatchInfo | None = None,
-                 queue_seconds: float = 0.0, accepted_backlog: AcceptedBacklog | None = None) -> Iterator[bytes]:
+                 queue_seconds: float = 0.0, accepted_backlog: AcceptedBacklog | None = None,
+                 cached: bool = False) -> Iterator[bytes]:
     """One image's embedding as Encode sends it: its header, then chunks sliced from the tensor in place."""
     return embedding_frames(
         image_index=index, grid_thw=grid_thw, datatype=datatype,
         shape=(int(embedding.shape[0]), int(embedding.shape[1])), data=tensor_bytes(embedding),
         digest=digest, max_chunk_bytes=max_chunk_bytes, batch=batch, queue_seconds=queue_seconds,
-        accepted_backlog=accepted_backlog,
+        accepted_backlog=accepted_backlog, cached=cached,
     )
 
 
@@ -88,6 +91,9 @@ def add_encoder_service(servicer: encoder_pb2_grpc.EncoderServiceServicer, serve
         "CloseColocated": grpc.unary_unary_rpc_method_handler(
             servicer.CloseColocated, request_deserializer=encoder_pb2.CloseColocatedRequest.FromString,
             response_serializer=encoder_pb2.CloseColocatedResponse.SerializeToString),
+        "Has": grpc.unary_unary_rpc_method_handler(
+            servicer.Has, request_deserializer=encoder_pb2.HasRequest.FromString,
+            response_serializer=encoder_pb2.HasResponse.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
     server.add_registered_method_handlers(service, handlers)
@@ -102,6 +108,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self._draining = False
         self._calls = InFlight(metrics.inflight_requests)
         self._decoding = DecodeBudget(settings.max_decoding_pixels)
+        self.cache = EmbeddingCache(settings.resolved_cache_bytes, metrics)
         self.colocated = ColocatedSessions()  # co-located transport sessions (encoder_node/colocated.py)
 
     # ---- lifecycle (called by server.py)
@@ -159,7 +166,21 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             max_chunk_bytes=s.max_chunk_bytes,
             image_loader=pre.image_loader,
             tower_impl=m.tower.impl,
+            cache_bytes=self.cache.budget_bytes,
         )
+
+    async def Has(self, request: encoder_pb2.HasRequest,
+                  context: grpc.aio.ServicerContext) -> encoder_pb2.HasResponse:
+        digests = request.digests
+        if len(digests) > MAX_HAS_DIGESTS:
+            raise InvalidArgument(f"{len(digests)} digests, the limit is {MAX_HAS_DIGESTS} per call",
+                                  reason="TOO_MANY_DIGESTS", metadata={"limit": str(MAX_HAS_DIGESTS)})
+        for i, d in enumerate(digests):
+            if len(d) > MAX_DIGEST_CHARS:
+                raise InvalidArgument(f"digest {i} has {len(d)} characters, the limit is {MAX_DIGEST_CHARS}",
+                                      reason="DIGEST_TOO_LONG", metadata={"limit": str(MAX_DIGEST_CHARS)},
+                                      violations=[FieldViolation(f"digests[{i}]", "longer than the limit")])
+        return encoder_pb2.HasResponse(present=[self.cache.has(d) for d in digests])
 
     async def OpenColocated(self, request: encoder_pb2.OpenColocatedRequest,
                             context: grpc.aio.ServicerContext) -> encoder_pb2.OpenColocatedResponse:
@@ -218,35 +239,53 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         # A caller's limit is a maximum: smaller chunks are always fine, larger ones than the node's are not sent.
         chunk_bytes = min(request.max_chunk_bytes or s.max_chunk_bytes, s.max_chunk_bytes)
         lo, hi = pre.resolve_bounds(request.min_pixels, request.max_pixels)
-        headers = [pre.inspect(i, data) for i, data in enumerate(images)]
-        patches = [pre.num_patches(h, lo, hi) for h in headers]
-
+        for i, data in enumerate(images):  # every image checked before anything is streamed
+            pre.inspect(i, data)
         accepted_at = time.monotonic()
         # The node's load as this call found it, reported with each of its embeddings.
         backlog = AcceptedBacklog(model.batcher.drain_seconds(accepted_at), model.batcher.queued_patches)
-        model.batcher.admit(sum(patches))
-        reserved = sum(patches)  # patches this call holds that the batcher does not own yet
-        futures: list[asyncio.Future] = []
+        session = self.colocated.get(request.colocated_session)  # None: the bytes go as chunks
+        # A co-located call bypasses the cache: its sends take the tower's tensor.
+        cache = self.cache if self.cache.enabled and session is None else None
+        digests = [pre.digest(data, lo, hi) for data in images] if cache is not None else []
+        # Per image: a CachedEmbedding (hit), a Future (another call computes it) or None (this call does).
+        plan: list = [None] * len(images)
+        claimed: set[int] = set()
+        if cache is not None:
+            for i, d in enumerate(digests):
+                plan[i] = cache.get(d) or cache.claim(d)
+                if plan[i] is None:
+                    claimed.add(i)
+        futures: dict[int, asyncio.Future] = {}
+        prepared: dict = {}
         try:
-            loop = asyncio.get_running_loop()
-            t_pre = time.time_ns()
-            with self._decoding.hold(sum(h.width * h.height for h in headers)):
-                prepared = await asyncio.gather(*(
-                    loop.run_in_executor(model.preprocess_pool, self._timed_prepare, pre, i, data, lo, hi)
-                    for i, data in enumerate(images)
-                ))
+            await self._submit(model, images, [i for i, x in enumerate(plan) if x is None], lo, hi, accepted_at,
+                               span, futures, prepared)
             tracer = self.tracing.tracer
-            record_span(tracer, span, "encdis.encoder.preprocess", t_pre, time.time_ns(),
-                        **{"encdis.images": len(prepared)})
-            for p in prepared:
-                futures.append(model.batcher.submit(p, accepted_at))
-            # The batcher now owns each submitted image's (actual) patches.
-            actual = sum(p.num_patches for p in prepared)
-            model.batcher.release(reserved - actual)
-            reserved = 0
-            session = self.colocated.get(request.colocated_session)  # None: the bytes go as chunks
-            for p, fut in zip(prepared, futures, strict=True):
-                enc = await fut
+            for i in range(len(images)):
+                t_send = time.time_ns()
+                item = plan[i]
+                while isinstance(item, asyncio.Future):
+                    try:
+                        item = await asyncio.shield(item)  # shielded: this call's cancel is not the other's
+                    except LookupError:  # the other call's forward failed or was cancelled: do our own
+                        item = cache.get(digests[i]) or cache.claim(digests[i])
+                        if item is None:
+                            claimed.add(i)
+                            await self._submit(model, images, [i], lo, hi, accepted_at, span, futures, prepared)
+                if isinstance(item, CachedEmbedding):
+                    self.metrics.cache_hits.inc()
+                    frames = reply_frames(i, item.grid_thw, digests[i], item.tensor(), item.datatype, chunk_bytes,
+                                          accepted_backlog=backlog, cached=True)
+                    for frame in frames:
+                        yield frame
+                    self.metrics.embedding_bytes.inc(item.nbytes)
+                    continue
+                p, enc = prepared[i], await futures[i]
+                if i in claimed:
+                    self.metrics.cache_misses.inc()
+                    cache.finish(p.digest, CachedEmbedding.of(enc.embedding, p.grid_thw, model.tower.datatype))
+                    claimed.discard(i)
                 if span.is_recording():
                     # The batcher measured these; the spans end when this image's result arrived.
                     done = time.time_ns()
@@ -256,7 +295,6 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                     record_span(tracer, span, "encdis.encoder.forward", done - forward_ns, done,
                                 **{"encdis.image_index": p.index, "encdis.batch_images": len(enc.batch.image_patches),
                                    "encdis.batch_patches": sum(enc.batch.image_patches)})
-                t_send = time.time_ns()
                 if session is not None:
                     async for frame in self.colocated.frames(
                             session, p.index, p.grid_thw, p.digest, enc.embedding, model.tower.datatype,
@@ -272,10 +310,39 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                 record_span(tracer, span, "encdis.encoder.send", t_send, time.time_ns(),
                             **{"encdis.image_index": p.index, "encdis.colocated": session is not None})
         finally:
+            for i in claimed:  # not finished: waiting calls compute it themselves
+                cache.abandon(digests[i])
+            for fut in futures.values():  # a cancelled call: images still queued are skipped by the batcher
+                fut.cancel()
+
+    async def _submit(self, model: LoadedModel, images, indices: list[int], lo: int, hi: int, accepted_at: float,
+                      span: Span, futures: dict, prepared: dict) -> None:
+        """Reserve, preprocess and queue images[i] for i in `indices`; their futures go into `futures`."""
+        if not indices:
+            return
+        pre = model.preprocessor
+        headers = [pre.inspect(i, images[i]) for i in indices]
+        reserved = sum(pre.num_patches(h, lo, hi) for h in headers)
+        model.batcher.admit(reserved)  # patches this call holds that the batcher does not own yet
+        try:
+            loop = asyncio.get_running_loop()
+            t_pre = time.time_ns()
+            with self._decoding.hold(sum(h.width * h.height for h in headers)):
+                done = await asyncio.gather(*(
+                    loop.run_in_executor(model.preprocess_pool, self._timed_prepare, pre, i, images[i], lo, hi)
+                    for i in indices
+                ))
+            record_span(self.tracing.tracer, span, "encdis.encoder.preprocess", t_pre, time.time_ns(),
+                        **{"encdis.images": len(done)})
+            for p in done:
+                prepared[p.index] = p
+                futures[p.index] = model.batcher.submit(p, accepted_at)
+            # The batcher now owns each submitted image's (actual) patches.
+            model.batcher.release(reserved - sum(p.num_patches for p in done))
+            reserved = 0
+        finally:
             if reserved:
                 model.batcher.release(reserved)
-            for fut in futures:  # a cancelled call: images still queued are skipped by the batcher
-                fut.cancel()
 
     def _timed_prepare(self, pre: ImagePreprocessor, index: int, data: bytes, lo: int, hi: int):
         t0 = time.monotonic()

@@ -47,6 +47,8 @@ class EncoderSettings:
     max_queued_patches: int = 16 * 16384  # accepted, unfinished patches beyond which Encode is refused
     max_decoding_pixels: int = 128 * MiB  # decoded width*height of images being decoded at once (~400 MB RGB)
     max_chunk_bytes: int = 4 * MiB
+    # Embedding cache budget (embedding_cache.py): 0 off, -1 min(2 GiB, 5% of the memory limit).
+    cache_bytes: int = -1
     drain_grace_seconds: float = 30.0
     # After SIGTERM the node reports NOT_SERVING at once but still accepts calls this long, so a
     # coordinator's call sent before its health watch saw the drain is served, not refused.
@@ -79,12 +81,21 @@ class EncoderSettings:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.cache_bytes < -1:
+            raise ValueError(f"--cache-bytes must be >= 0, or -1 for the default, got {self.cache_bytes}")
         if self.drain_accept_seconds < 0:
             raise ValueError(f"--drain-accept-seconds must be >= 0, got {self.drain_accept_seconds}")
         if self.min_pixels < 0 or self.max_pixels < 0:
             raise ValueError("--min-pixels and --max-pixels must be >= 0")
         if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
             raise ValueError(f"--min-pixels {self.min_pixels} is above --max-pixels {self.max_pixels}")
+
+    @property
+    def resolved_cache_bytes(self) -> int:
+        if self.cache_bytes >= 0:
+            return self.cache_bytes
+        from encdis.encoder_node.embedding_cache import default_budget, memory_limit_bytes
+        return default_budget(memory_limit_bytes())
 
     @property
     def torch_dtype_name(self) -> str:
@@ -123,6 +134,8 @@ _HELP = {
     "max_queued_patches": "accepted but unfinished patches before RESOURCE_EXHAUSTED",
     "max_decoding_pixels": "decoded pixels of images being decoded at once before RESOURCE_EXHAUSTED",
     "max_chunk_bytes": "default size of embedding chunks on the wire",
+    "cache_bytes": "byte budget of the embedding cache (finished embeddings by content digest, LRU); 0: off; "
+                   "-1: min(2 GiB, 5% of the cgroup memory limit or of the RAM)",
     "drain_grace_seconds": "on SIGTERM, how long in-flight calls may take to finish",
     "drain_accept_seconds": "on SIGTERM, how long new calls are still accepted after health turns NOT_SERVING",
     "preprocess_workers": "threads decoding and resizing images",

@@ -33,7 +33,7 @@ class EncodeResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[EmbeddingHeader, _Mapping]] = ..., chunk: _Optional[_Union[EmbeddingChunk, _Mapping]] = ..., first_chunk: _Optional[_Union[EmbeddingChunk, _Mapping]] = ...) -> None: ...
 
 class EmbeddingHeader(_message.Message):
-    __slots__ = ("image_index", "grid_thw", "num_tokens", "hidden_size", "datatype", "digest", "total_bytes", "num_chunks", "batch", "queue_seconds", "colocated", "colocated_tag", "has_accepted_backlog", "accepted_backlog_seconds", "accepted_queued_patches")
+    __slots__ = ("image_index", "grid_thw", "num_tokens", "hidden_size", "datatype", "digest", "total_bytes", "num_chunks", "batch", "queue_seconds", "colocated", "colocated_tag", "has_accepted_backlog", "accepted_backlog_seconds", "accepted_queued_patches", "cached")
     IMAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class EmbeddingHeader(_message.Message):
     HAS_ACCEPTED_BACKLOG_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_BACKLOG_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_QUEUED_PATCHES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
     image_index: int
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
@@ -64,7 +65,8 @@ class EmbeddingHeader(_message.Message):
     has_accepted_backlog: bool
     accepted_backlog_seconds: float
     accepted_queued_patches: int
-    def __init__(self, image_index: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., datatype: _Optional[str] = ..., digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., batch: _Optional[_Union[BatchTiming, _Mapping]] = ..., queue_seconds: _Optional[float] = ..., colocated: _Optional[bool] = ..., colocated_tag: _Optional[int] = ..., has_accepted_backlog: _Optional[bool] = ..., accepted_backlog_seconds: _Optional[float] = ..., accepted_queued_patches: _Optional[int] = ...) -> None: ...
+    cached: bool
+    def __init__(self, image_index: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., datatype: _Optional[str] = ..., digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., batch: _Optional[_Union[BatchTiming, _Mapping]] = ..., queue_seconds: _Optional[float] = ..., colocated: _Optional[bool] = ..., colocated_tag: _Optional[int] = ..., has_accepted_backlog: _Optional[bool] = ..., accepted_backlog_seconds: _Optional[float] = ..., accepted_queued_patches: _Optional[int] = ..., cached: _Optional[bool] = ...) -> None: ...
 
 class EmbeddingChunk(_message.Message):
     __slots__ = ("image_index", "chunk_index", "data")
@@ -89,7 +91,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("vision_config_json", "out_hidden_size", "weights_fingerprint", "device", "datatype", "max_batch_patches", "max_images_per_request", "max_image_bytes", "max_image_pixels", "min_pixels", "max_pixels", "patch_size", "merge_size", "temporal_patch_size", "boot_id", "hostname", "version", "max_chunk_bytes", "image_loader", "net_namespace", "tower_impl")
+    __slots__ = ("vision_config_json", "out_hidden_size", "weights_fingerprint", "device", "datatype", "max_batch_patches", "max_images_per_request", "max_image_bytes", "max_image_pixels", "min_pixels", "max_pixels", "patch_size", "merge_size", "temporal_patch_size", "boot_id", "hostname", "version", "max_chunk_bytes", "image_loader", "net_namespace", "tower_impl", "cache_bytes")
     VISION_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     OUT_HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +113,7 @@ class DescribeResponse(_message.Message):
     IMAGE_LOADER_FIELD_NUMBER: _ClassVar[int]
     NET_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TOWER_IMPL_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     vision_config_json: str
     out_hidden_size: int
     weights_fingerprint: str
@@ -132,7 +135,8 @@ class DescribeResponse(_message.Message):
     image_loader: str
     net_namespace: str
     tower_impl: str
-    def __init__(self, vision_config_json: _Optional[str] = ..., out_hidden_size: _Optional[int] = ..., weights_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., datatype: _Optional[str] = ..., max_batch_patches: _Optional[int] = ..., max_images_per_request: _Optional[int] = ..., max_image_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ..., patch_size: _Optional[int] = ..., merge_size: _Optional[int] = ..., temporal_patch_size: _Optional[int] = ..., boot_id: _Optional[str] = ..., hostname: _Optional[str] = ..., version: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., image_loader: _Optional[str] = ..., net_namespace: _Optional[str] = ..., tower_impl: _Optional[str] = ...) -> None: ...
+    cache_bytes: int
+    def __init__(self, vision_config_json: _Optional[str] = ..., out_hidden_size: _Optional[int] = ..., weights_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., datatype: _Optional[str] = ..., max_batch_patches: _Optional[int] = ..., max_images_per_request: _Optional[int] = ..., max_image_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ..., patch_size: _Optional[int] = ..., merge_size: _Optional[int] = ..., temporal_patch_size: _Optional[int] = ..., boot_id: _Optional[str] = ..., hostname: _Optional[str] = ..., version: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., image_loader: _Optional[str] = ..., net_namespace: _Optional[str] = ..., tower_impl: _Optional[str] = ..., cache_bytes: _Optional[int] = ...) -> None: ...
 
 class OpenColocatedRequest(_message.Message):
     __slots__ = ("session_id", "store_host", "store_port", "backend", "boot_id", "timeout_seconds", "net_namespace")
@@ -167,3 +171,15 @@ class CloseColocatedRequest(_message.Message):
 class CloseColocatedResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class HasRequest(_message.Message):
+    __slots__ = ("digests",)
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    digests: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, digests: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class HasResponse(_message.Message):
+    __slots__ = ("present",)
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    present: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, present: _Optional[_Iterable[bool]] = ...) -> None: ...

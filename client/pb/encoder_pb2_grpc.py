@@ -54,6 +54,11 @@ class EncoderServiceStub:
                 request_serializer=encdis_dot_encoder_dot_v1_dot_encoder__pb2.CloseColocatedRequest.SerializeToString,
                 response_deserializer=encdis_dot_encoder_dot_v1_dot_encoder__pb2.CloseColocatedResponse.FromString,
                 _registered_method=True)
+        self.Has = channel.unary_unary(
+                '/encdis.encoder.v1.EncoderService/Has',
+                request_serializer=encdis_dot_encoder_dot_v1_dot_encoder__pb2.HasRequest.SerializeToString,
+                response_deserializer=encdis_dot_encoder_dot_v1_dot_encoder__pb2.HasResponse.FromString,
+                _registered_method=True)
 
 
 class EncoderServiceServicer:
@@ -89,6 +94,14 @@ class EncoderServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Has(self, request, context):
+        """Which content digests the node's embedding cache holds finished (an embedding still being
+        computed is not present). Cheap: answered from the cache, no batch slot.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EncoderServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +124,11 @@ def add_EncoderServiceServicer_to_server(servicer, server):
                     servicer.CloseColocated,
                     request_deserializer=encdis_dot_encoder_dot_v1_dot_encoder__pb2.CloseColocatedRequest.FromString,
                     response_serializer=encdis_dot_encoder_dot_v1_dot_encoder__pb2.CloseColocatedResponse.SerializeToString,
+            ),
+            'Has': grpc.unary_unary_rpc_method_handler(
+                    servicer.Has,
+                    request_deserializer=encdis_dot_encoder_dot_v1_dot_encoder__pb2.HasRequest.FromString,
+                    response_serializer=encdis_dot_encoder_dot_v1_dot_encoder__pb2.HasResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +239,33 @@ class EncoderService:
             '/encdis.encoder.v1.EncoderService/CloseColocated',
             encdis_dot_encoder_dot_v1_dot_encoder__pb2.CloseColocatedRequest.SerializeToString,
             encdis_dot_encoder_dot_v1_dot_encoder__pb2.CloseColocatedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Has(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/encdis.encoder.v1.EncoderService/Has',
+            encdis_dot_encoder_dot_v1_dot_encoder__pb2.HasRequest.SerializeToString,
+            encdis_dot_encoder_dot_v1_dot_encoder__pb2.HasResponse.FromString,
             options,
             channel_credentials,
             insecure,

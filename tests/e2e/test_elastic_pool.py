@@ -189,8 +189,10 @@ def pool(tiny_ckpt: Path, dns_server: LoopbackDNS) -> Iterator[tuple[NodeProcess
     started: list[NodeProcess] = []
     try:
         # Started together (the machine loads them while vLLM starts); only the first is in DNS.
+        # --cache-bytes 0: the load repeats its images, and images_total must count work the encoders did.
         encoders = [NodeProcess(["encoder", "--model", str(tiny_ckpt), "--host", ip, "--port", str(port),
-                                 "--metrics-port", "0", "--drain-grace-seconds", str(DRAIN_GRACE_SECONDS)],
+                                 "--metrics-port", "0", "--drain-grace-seconds", str(DRAIN_GRACE_SECONDS),
+                                 "--cache-bytes", "0"],
                                 host=ip)
                     for ip in ENCODER_IPS]
         started += encoders

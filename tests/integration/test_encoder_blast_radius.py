@@ -32,7 +32,8 @@ def huge_flat_png(side: int = 8000) -> bytes:
 def test_a_flood_of_small_files_declaring_huge_sizes_is_refused_not_decoded(tiny_ckpt) -> None:
     bomb = huge_flat_png()
     assert len(bomb) < 1 << 20  # cheap to send ...
-    settings = EncoderSettings(model=tiny_ckpt, host="127.0.0.1", port=0, max_decoding_pixels=70_000_000)
+    settings = EncoderSettings(model=tiny_ckpt, host="127.0.0.1", port=0, max_decoding_pixels=70_000_000,
+                              cache_bytes=0)  # identical bombs: with a cache the later calls would share the first
     with InProcessEncoder(settings) as n, EncoderClient(n.address, timeout=120) as c:
         results: list[object] = []
         with held(n.node.model.preprocessor, "prepare") as decoding:

@@ -29,7 +29,8 @@ MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 256  # the tiny checkpoint's process
 
 @pytest.fixture(scope="module")
 def node(tiny_ckpt):
-    with InProcessEncoder(EncoderSettings(model=tiny_ckpt, host="127.0.0.1", port=0)) as n:
+    # The tests compare forwards: no cache answers a repeated image.
+    with InProcessEncoder(EncoderSettings(model=tiny_ckpt, host="127.0.0.1", port=0, cache_bytes=0)) as n:
         yield n
 
 

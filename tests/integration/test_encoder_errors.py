@@ -126,7 +126,8 @@ def test_empty_request_is_invalid_argument(client):
 
 def test_a_full_queue_is_resource_exhausted(tiny_ckpt):
     """Beyond --max-queued-patches a call is refused (while others are queued), not queued forever."""
-    settings = EncoderSettings(model=tiny_ckpt, host="127.0.0.1", port=0, max_queued_patches=2048)
+    settings = EncoderSettings(model=tiny_ckpt, host="127.0.0.1", port=0, max_queued_patches=2048,
+                               cache_bytes=0)  # six identical images: a cache would forward one
     big = images.near_max_pixels()  # 1024 patches
     with InProcessEncoder(settings) as n, EncoderClient(n.address, timeout=120) as c:
         results: list[object] = []

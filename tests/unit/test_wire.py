@@ -256,3 +256,19 @@ def test_two_gib_announced_for_a_64_token_image_is_refused_without_allocating():
 def test_broken_serialised_and_chunk_rules_are_refused(stream, match):
     with pytest.raises(WireError, match=match):
         decode_stream([m.SerializeToString() if not isinstance(m, bytes) else m for m in stream], 1)
+
+
+def test_a_cached_embedding_says_so_and_carries_no_batch_and_a_forward_one_does_not():
+    data = np.arange(16, dtype="<f4").tobytes()
+    kw = dict(image_index=0, grid_thw=(1, 2, 8), datatype="FP32", shape=(4, 4), data=data, digest="d")
+    (hit,) = decode_stream(list(embedding_frames(**kw, cached=True)), 1)
+    (miss,) = decode_stream(list(embedding_frames(**kw, batch=BatchInfo(0.5, (16,)), queue_seconds=0.1)), 1)
+    assert hit.cached and hit.batch is None and hit.queue_seconds == 0.0 and bytes(hit.data) == data
+    assert not miss.cached and miss.batch == BatchInfo(0.5, (16,))
+
+
+def test_encoder_description_reads_the_cache_budget():
+    from encdis.client.encoder_client import EncoderDescription
+
+    assert EncoderDescription.from_proto(encoder_pb2.DescribeResponse(cache_bytes=12345)).cache_bytes == 12345
+    assert EncoderDescription.from_proto(encoder_pb2.DescribeResponse()).cache_bytes == 0
