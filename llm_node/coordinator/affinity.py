@@ -25,7 +25,10 @@ highest-ranked encoder whose finish is within slack * (the image's forward cost 
 encoder) of the best finish: the top one unless it is that far behind, then consistently the next
 ranked (so a hot image spills to one more encoder, which then holds it too, not to whichever is
 idlest). The best encoder always qualifies, so an image waits at most `slack` forwards for its
-encoder; a spill is cheaper than waiting any longer.
+encoder; a spill is cheaper than waiting any longer. `Affinity` caps that forward at the moving
+mean image's cost: a 4K image pinned behind up to its own cost would double its latency (the tail
+of all-distinct traffic: bench/fleet_cache_sim.py, p99 1.13x the cost policy's uncapped, 1.00x
+capped), while waiting one mean image is what any image waits in a balanced pool.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ HELD_PER_ENCODER = 4096
 # until received embeddings measure it.
 TRANSFER_PRIOR_SECONDS_PER_PATCH = 2e-6
 TRANSFER_RATE = 0.1  # weight of each new measurement in the moving average
+MEAN_COST_RATE = 0.01  # weight of each image in the moving mean forward cost (~100 images)
 
 
 def weight(key: str, digest: str) -> int:
@@ -92,9 +96,11 @@ class HeldDigests:
 
 def affinity_assign(image_patches: Sequence[int], digests: Sequence[str], encoders: Sequence[EncoderLoad], *,
                     slack: float, held: HeldDigests | None = None,
-                    transfer_seconds_per_patch: float = TRANSFER_PRIOR_SECONDS_PER_PATCH) -> list[int]:
+                    transfer_seconds_per_patch: float = TRANSFER_PRIOR_SECONDS_PER_PATCH,
+                    cap_seconds: float | None = None) -> list[int]:
     """Index into `encoders` for each image: its top-ranked encoder unless that one's predicted
-    finish is behind the best by more than slack * the image's forward cost (module docstring)."""
+    finish is behind the best by more than slack * the image's forward cost, that cost capped at
+    `cap_seconds` (the mean image's, in Affinity) when given (module docstring)."""
     if len(digests) != len(image_patches):
         raise ValueError(f"{len(digests)} digests for {len(image_patches)} images")
     if not image_patches:
@@ -127,7 +133,8 @@ def affinity_assign(image_patches: Sequence[int], digests: Sequence[str], encode
                 finish[e] = forward(e, n)
         best = min(range(k), key=lambda e: (finish[e], given[e], e))
         c0, c1, c2 = coefs[best]
-        allowed = finish[best] + slack * (c0 + c1 * n + c2 * n * n)
+        own = c0 + c1 * n + c2 * n * n
+        allowed = finish[best] + slack * (min(own, cap_seconds) if cap_seconds is not None else own)
         chosen = next(e for e in rank(d, keys) if finish[e] <= allowed)
         result[i] = chosen
         if held_at[chosen]:
@@ -147,6 +154,7 @@ class Affinity:
         self.slack = settings.affinity_slack
         self.held = held or HeldDigests()
         self.transfer_seconds_per_patch = TRANSFER_PRIOR_SECONDS_PER_PATCH
+        self.mean_cost: float | None = None  # moving mean of images' predicted forward seconds
 
     def applies(self, handles: Sequence[EncoderHandle]) -> bool:
         """On, and every candidate caches embeddings (one without a cache would forward every time)."""
@@ -158,8 +166,12 @@ class Affinity:
         """affinity_assign when it applies, else assignment.assign unchanged."""
         if not applies:
             return assign(image_patches, loads)
+        for n in image_patches:
+            cost = loads[0].model.predict(n)
+            self.mean_cost = cost if self.mean_cost is None else self.mean_cost + MEAN_COST_RATE * (
+                cost - self.mean_cost)
         return affinity_assign(image_patches, digests, loads, slack=self.slack, held=self.held,
-                               transfer_seconds_per_patch=self.transfer_seconds_per_patch)
+                               transfer_seconds_per_patch=self.transfer_seconds_per_patch, cap_seconds=self.mean_cost)
 
     def observe(self, key: Hashable, patches: int, digest: str, receive_seconds: float) -> None:
         """A received embedding: its encoder now holds the digest; its receive time prices a transfer."""

@@ -77,6 +77,22 @@ def test_a_hot_digest_spills_to_the_next_ranked_once_the_top_is_behind_by_more_t
     assert affinity_assign([1000], [d], loads(backlogs), slack=2.0) == [order[0]]
 
 
+def test_a_big_image_waits_at_most_the_mean_images_cost_for_its_encoder() -> None:
+    # Pinning a 4K image behind up to its own cost would double its latency: Affinity caps the
+    # tolerance at the moving mean image's cost.
+    aff = Affinity(CoordinatorSettings())
+    small = [DIGESTS[500 + i] for i in range(50)]
+    for d in small:
+        aff.assign([100], [d], loads([0.0] * 8))
+    assert aff.mean_cost == pytest.approx(0.1)
+    d = DIGESTS[3]
+    order = rank(d, KEYS)
+    backlogs = [0.0] * 8
+    backlogs[order[0]] = 0.5  # far less than the big image's 4 s, more than the mean image's 0.1 s
+    assert affinity_assign([4000], [d], loads(backlogs), slack=1.0) == [order[0]]  # uncapped: stays
+    assert aff.assign([4000], [d], loads(backlogs)) == [order[1]]
+
+
 def test_a_known_hit_costs_its_transfer_at_the_encoder_that_holds_it() -> None:
     d = DIGESTS[1]
     order = rank(d, KEYS)
