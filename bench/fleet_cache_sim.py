@@ -13,7 +13,8 @@ heavy-tailed sizes). The backlog each coordinator sees is every encoder's queued
 fresh load report, priced as the reports are: by patches, forwards assumed).
 
 Workloads: A, `refs` references Zipf(1.1) over `distinct` images; B, every reference distinct.
-Reported: forwards per distinct image (1.0: each encoded once in the fleet), p50/p99 of request
+Reported: forwards per distinct image (1.0: each encoded once in the fleet), the same weighted by
+each image's cost (forward seconds over the distinct images' seconds), p50/p99 of request
 latency (arrival to embedding at the coordinator) in units of the mean image's forward cost.
 
     python bench/fleet_cache_sim.py [--json FILE] [--seeds N]
@@ -38,6 +39,7 @@ from encdis.llm_node.coordinator.cost_model import CostModel
 from encdis.llm_node.coordinator.settings import CoordinatorSettings
 
 TRANSFER_SECONDS_PER_PATCH = 2e-6
+FIELDS = ("forwards_per_distinct", "work_per_distinct", "p50", "p99")
 
 
 class Encoder:
@@ -48,6 +50,7 @@ class Encoder:
         self.running = None
         self.cache: set[str] = set()
         self.forwards = 0
+        self.forward_work = 0.0  # their true cost, noise aside
 
     def work_left(self, now: float) -> float:
         return sum(true_cost(n) for _, _, n in self.queue) + max(0.0, self.busy_until - now)
@@ -89,6 +92,7 @@ def run(workload: str, affinity: bool, *, coordinators: int, encoders: int, refs
             seconds = n * TRANSFER_SECONDS_PER_PATCH
         else:
             enc.forwards += 1
+            enc.forward_work += true_cost(n)
             seconds = true_cost(n) * rng.lognormvariate(0.0, NOISE_SIGMA)
         enc.running = (c, d, n)
         enc.busy_until = now + seconds
@@ -133,12 +137,14 @@ def run(workload: str, affinity: bool, *, coordinators: int, encoders: int, refs
     latencies.sort()
     forwards = sum(e.forwards for e in pool)
     used = len(set(picks))
+    work = sum(e.forward_work for e in pool) / sum(true_cost(sizes[i]) for i in set(picks))
 
     def q(p: float) -> float:
         return latencies[min(len(latencies) - 1, int(math.ceil(p * len(latencies))) - 1)] / mean_cost
 
     return {"workload": workload, "affinity": "on" if affinity else "off", "seed": seed, "forwards": forwards,
-            "distinct": used, "forwards_per_distinct": forwards / used, "p50": q(0.50), "p99": q(0.99)}
+            "distinct": used, "forwards_per_distinct": forwards / used,
+            "work_per_distinct": work, "p50": q(0.50), "p99": q(0.99)}
 
 
 def main() -> int:
@@ -158,13 +164,14 @@ def main() -> int:
     summary = []
     print(f"{a.coordinators} coordinators x {a.encoders} encoders, {a.refs} refs, load {a.load}, slack {a.slack}, "
           f"{a.seeds} seeds (means)")
-    print(f"{'workload':8} {'affinity':8} {'fwd/distinct':>12} {'p50':>8} {'p99':>8}")
+    print(f"{'workload':8} {'affinity':8} {'fwd/distinct':>12} {'work/distinct':>13} {'p50':>8} {'p99':>8}")
     for w in ("A", "B"):
         for on in ("on", "off"):
             sel = [r for r in rows if r["workload"] == w and r["affinity"] == on]
-            m = {k: sum(r[k] for r in sel) / len(sel) for k in ("forwards_per_distinct", "p50", "p99")}
+            m = {k: sum(r[k] for r in sel) / len(sel) for k in FIELDS}
             summary.append({"workload": w, "affinity": on, **m})
-            print(f"{w:8} {on:8} {m['forwards_per_distinct']:12.3f} {m['p50']:8.2f} {m['p99']:8.2f}")
+            print(f"{w:8} {on:8} {m['forwards_per_distinct']:12.3f} {m['work_per_distinct']:13.3f} "
+                  f"{m['p50']:8.2f} {m['p99']:8.2f}")
     for w in ("A", "B"):
         on, off = (next(s for s in summary if s["workload"] == w and s["affinity"] == x) for x in ("on", "off"))
         print(f"{w}: p99 on/off {on['p99'] / off['p99']:.3f}")
