@@ -19,6 +19,7 @@ Modules, one role each:
     patches          patch counts from an image's size (transformers' smart_resize)
     cost_model       per-encoder cost c0 + c1*N + c2*N^2, fitted online
     assignment       which encoder gets which image (earliest predicted finish)
+    affinity         digest affinity: rendezvous ranking, digests encoders hold, bounded-load choice
     load_reports     encoders' ORCA load reports, and the backlog predicted from them
     hedging          second attempts for straggling calls: when, where, within which budget
     embedding_cache  LRU by bytes, one encode per in-flight digest

@@ -146,6 +146,8 @@ class Coordinator:
 
     def _forget_encoder(self, address: str) -> None:
         self.metrics.forget_encoder(address)
+        if self._dispatcher is not None:
+            self._dispatcher.affinity.held.forget(address)
         if self.colocated is not None:
             self.colocated.forget(address)
 

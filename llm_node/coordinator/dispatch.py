@@ -31,7 +31,6 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from opentelemetry.trace import Span
 
@@ -47,7 +46,7 @@ from encdis.client.errors import (
 from encdis.client.wire import Embedding, ExpectedEmbedding
 from encdis.tracing import Tracing, record_span, trace_metadata
 
-from .assignment import assign
+from .affinity import Affinity
 from .colocated import ColocatedTransport
 from .colocated_link import ColocatedFailure
 from .embedding_cache import EmbeddingCache
@@ -58,9 +57,6 @@ from .metrics import CoordinatorMetrics
 from .pool import EncoderPool
 from .records import ImageEmbedding, embedding_tensor
 from .settings import CoordinatorSettings
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +99,7 @@ class Dispatcher:
         self._random = random.Random()
         self.tracing = Tracing()  # off until the node sets its own (encdis/tracing.py)
         self.hedger = Hedger(settings, pool, metrics)
+        self.affinity = Affinity(settings)  # digests to the encoders that hold them (affinity.py)
 
     async def run(self, images: Sequence[bytes], remaining: dict[int, PendingImage], timing: RequestTiming,
                   deadline: float | None = None) -> None:
@@ -173,7 +170,8 @@ class Dispatcher:
     def _plan(self, candidates: list[EncoderHandle],
               order: list[PendingImage]) -> list[tuple[EncoderHandle, list[PendingImage]]]:
         """(encoder, images) per Encode call: the policy's choice, split by each encoder's image limit."""
-        picks = assign([j.patches for j in order], self.pool.loads(candidates))
+        picks = self.affinity.assign([j.patches for j in order], [j.digest for j in order],
+                                     self.pool.loads(candidates), self.affinity.applies(candidates))
         groups: dict[int, list[PendingImage]] = {}
         for job, k in zip(order, picks, strict=True):
             groups.setdefault(k, []).append(job)
@@ -314,6 +312,7 @@ class Dispatcher:
                     entry = self._check(emb, job, datatype)
                     timing.transfer = max(timing.transfer, emb.receive_seconds + time.perf_counter() - t0)
                     done.add(pos)
+                    self.affinity.observe(h.address, job.patches, job.digest, emb.receive_seconds)
                     self.pool.complete_work(tickets[pos])
                     if fitted:
                         error = time.monotonic() - progress.sent_at - progress.finishes[pos]

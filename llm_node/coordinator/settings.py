@@ -78,9 +78,13 @@ class CoordinatorSettings:
     hedge_window_seconds: float = 60.0
     hedge_check_seconds: float = 0.25
     hedge_min_margin_seconds: float = 0.05
+    # Digest affinity (affinity.py): each image to its rendezvous-ranked encoder while that one is
+    # within slack * the image's cost of the best finish; only over encoders that all cache.
+    affinity: str = "on"
+    affinity_slack: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("load_reports", "hedge"):
+        for name in ("load_reports", "hedge", "affinity"):
             if getattr(self, name) not in ON_OFF:
                 raise ValueError(f"--{name.replace('_', '-')} must be on or off, got {getattr(self, name)!r}")
         if self.load_report_interval_seconds < 0.01:
@@ -116,6 +120,8 @@ class CoordinatorSettings:
             # Encoders refuse pings more frequent than that (encoder_node/server.py).
             raise ValueError(f"--keepalive-time-seconds must be >= {MIN_KEEPALIVE_SECONDS}, "
                              f"got {self.keepalive_time_seconds}")
+        if self.affinity_slack < 0:
+            raise ValueError(f"--affinity-slack must be >= 0, got {self.affinity_slack}")
         if self.hedge_min_margin_seconds < 0:
             raise ValueError(f"--hedge-min-margin-seconds must be >= 0, got {self.hedge_min_margin_seconds}")
         if self.attempt_timeout_margin < 1 or self.busy_seconds < 0:
@@ -173,4 +179,9 @@ HELP = {
     "hedge_check_seconds": "how often a waiting call is re-checked for a hedge",
     "hedge_min_margin_seconds": "smallest margin past the predicted finish before a hedge (the margin is the "
                                 "p95 of recent prediction errors, at least this)",
+    "affinity": "on: each image goes to the encoder its digest ranks first (rendezvous hashing, the same "
+                "in every LLM node), so encoders' caches encode it once per fleet; only when every encoder "
+                "has a cache (Describe's cache_bytes > 0); off: cost balance alone",
+    "affinity_slack": "an image leaves its first-ranked encoder (for the next-ranked) once that one's predicted "
+                      "finish is behind the best by more than this many times the image's own cost",
 }

@@ -1,0 +1,181 @@
+"""Digest affinity: each image to the encoder that (probably) holds it, without hurting the balance.
+
+Role: encoders with a cache (Describe's cache_bytes > 0) keep embeddings by content digest. A
+fleet of LLM nodes sharing those encoders encodes each image once only when every node sends a
+digest to the same encoder; `Affinity.assign` is assignment.assign with that preference added.
+
+API:
+    rank(digest, keys) -> list[int]         indices of `keys`, highest rendezvous weight first
+    HeldDigests(per_encoder)                 digests each encoder is known to hold (bounded LRU)
+        .learn(key, digest) / .holds(key, digest) / .forget(key)
+    Affinity(settings)                       what the dispatcher holds
+        .applies(handles) -> bool            on, and every candidate has a cache
+        .assign(patches, digests, loads)     encoder index per image (as assignment.assign)
+        .observe(key, patches, digest, receive_seconds)  from each received embedding
+
+Ranking is rendezvous (highest random weight) hashing: weight(encoder, digest) is a hash of the
+encoder's target address and the digest, the same number in every LLM node's view, so every node
+ranks the live encoders alike with no coordination; an encoder joining or leaving moves only the
+digests whose top encoder it is (about 1/N of them), not a reshuffle.
+
+Bounded load: images go largest first, as in assignment.assign, and finish(e) is the same
+prediction (backlog + this request's images on e + this image), except that at an encoder known
+to hold the digest the image costs its transfer, not a forward. The image goes to the
+highest-ranked encoder whose finish is within slack * (the image's forward cost at the best
+encoder) of the best finish: the top one unless it is that far behind, then consistently the next
+ranked (so a hot image spills to one more encoder, which then holds it too, not to whichever is
+idlest). The best encoder always qualifies, so an image waits at most `slack` forwards for its
+encoder; a spill is cheaper than waiting any longer. `Affinity` caps that forward at the moving
+mean image's cost: a 4K image pinned behind up to its own cost would double its latency (the tail
+of all-distinct traffic: bench/fleet_cache_sim.py, p99 1.13x the cost policy's uncapped, 1.00x
+capped), while waiting one mean image is what any image waits in a balanced pool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
+
+from .assignment import EncoderLoad, assign
+
+if TYPE_CHECKING:
+    from .handle import EncoderHandle
+    from .settings import CoordinatorSettings
+
+# Digests remembered per encoder: a few hundred KB of strings, far more than an encoder's cache
+# usually holds of one node's images (an entry it evicted only costs one forward).
+HELD_PER_ENCODER = 4096
+# Prior seconds per patch of receiving a held embedding (about 3.5 KB per patch in FP32 at ~2 GB/s),
+# until received embeddings measure it.
+TRANSFER_PRIOR_SECONDS_PER_PATCH = 2e-6
+TRANSFER_RATE = 0.1  # weight of each new measurement in the moving average
+MEAN_COST_RATE = 0.01  # weight of each image in the moving mean forward cost (~100 images)
+
+
+def weight(key: str, digest: str) -> int:
+    """Rendezvous weight of encoder `key` for `digest`: stable across processes and hosts."""
+    h = hashlib.blake2b(f"{key}\0{digest}".encode(), digest_size=8, person=b"encdis-hrw")
+    return int.from_bytes(h.digest(), "big")
+
+
+def rank(digest: str, keys: Sequence[Hashable]) -> list[int]:
+    """Indices of `keys` in decreasing rendezvous weight for `digest` (ties: lower index first)."""
+    weights = [weight(str(k), digest) for k in keys]
+    return sorted(range(len(keys)), key=lambda i: (-weights[i], i))
+
+
+class HeldDigests:
+    """The digests each encoder is known to hold, learnt from its replies; bounded LRU per encoder."""
+
+    def __init__(self, per_encoder: int = HELD_PER_ENCODER) -> None:
+        if per_encoder <= 0:
+            raise ValueError(f"per_encoder must be positive, got {per_encoder}")
+        self.per_encoder = per_encoder
+        self._held: dict[Hashable, OrderedDict[str, None]] = {}
+
+    def learn(self, key: Hashable, digest: str) -> None:
+        held = self._held.setdefault(key, OrderedDict())
+        held[digest] = None
+        held.move_to_end(digest)
+        while len(held) > self.per_encoder:
+            held.popitem(last=False)
+
+    def holds(self, key: Hashable, digest: str) -> bool:
+        held = self._held.get(key)
+        return held is not None and digest in held
+
+    def forget(self, key: Hashable) -> None:
+        """The encoder left the pool (or restarted): it holds nothing we know of."""
+        self._held.pop(key, None)
+
+    def count(self, key: Hashable) -> int:
+        return len(self._held.get(key, ()))
+
+
+def affinity_assign(image_patches: Sequence[int], digests: Sequence[str], encoders: Sequence[EncoderLoad], *,
+                    slack: float, held: HeldDigests | None = None,
+                    transfer_seconds_per_patch: float = TRANSFER_PRIOR_SECONDS_PER_PATCH,
+                    cap_seconds: float | None = None) -> list[int]:
+    """Index into `encoders` for each image: its top-ranked encoder unless that one's predicted
+    finish is behind the best by more than slack * the image's forward cost, that cost capped at
+    `cap_seconds` (the mean image's, in Affinity) when given (module docstring)."""
+    if len(digests) != len(image_patches):
+        raise ValueError(f"{len(digests)} digests for {len(image_patches)} images")
+    if not image_patches:
+        return []
+    if not encoders:
+        raise ValueError("no encoders to assign images to")
+    if any(n <= 0 for n in image_patches):
+        raise ValueError(f"patch counts must be positive, got {list(image_patches)}")
+    keys = [e.key for e in encoders]
+    coefs = [e.model.coefficients for e in encoders]
+    backlogs = [max(0.0, e.backlog_seconds) for e in encoders]
+    k = len(encoders)
+    count, given, squares = [0] * k, [0] * k, [0] * k  # this request's forwards per encoder, exact
+    hits = [0.0] * k  # and its transfers of held embeddings
+
+    def forward(e: int, n: int) -> float:
+        c0, c1, c2 = coefs[e]
+        return backlogs[e] + hits[e] + c0 * (count[e] + 1) + c1 * (given[e] + n) + c2 * (squares[e] + n * n)
+
+    order = sorted(range(len(image_patches)), key=lambda i: image_patches[i], reverse=True)
+    result = [0] * len(image_patches)
+    for i in order:
+        n, d = image_patches[i], digests[i]
+        held_at = [held is not None and held.holds(keys[e], d) for e in range(k)]
+        finish = [0.0] * k
+        for e in range(k):
+            if held_at[e]:
+                finish[e] = forward(e, 0) - coefs[e][0] + n * transfer_seconds_per_patch  # no new forward
+            else:
+                finish[e] = forward(e, n)
+        best = min(range(k), key=lambda e: (finish[e], given[e], e))
+        c0, c1, c2 = coefs[best]
+        own = c0 + c1 * n + c2 * n * n
+        allowed = finish[best] + slack * (min(own, cap_seconds) if cap_seconds is not None else own)
+        chosen = next(e for e in rank(d, keys) if finish[e] <= allowed)
+        result[i] = chosen
+        if held_at[chosen]:
+            hits[chosen] += n * transfer_seconds_per_patch
+        else:
+            count[chosen] += 1
+            given[chosen] += n
+            squares[chosen] += n * n
+    return result
+
+
+class Affinity:
+    """The dispatcher's affinity state: the switch, the slack, what each encoder holds, transfer speed."""
+
+    def __init__(self, settings: CoordinatorSettings, held: HeldDigests | None = None) -> None:
+        self.on = settings.affinity == "on"
+        self.slack = settings.affinity_slack
+        self.held = held or HeldDigests()
+        self.transfer_seconds_per_patch = TRANSFER_PRIOR_SECONDS_PER_PATCH
+        self.mean_cost: float | None = None  # moving mean of images' predicted forward seconds
+
+    def applies(self, handles: Sequence[EncoderHandle]) -> bool:
+        """On, and every candidate caches embeddings (one without a cache would forward every time)."""
+        return self.on and bool(handles) and all(
+            getattr(h.description, "cache_bytes", 0) > 0 for h in handles)
+
+    def assign(self, image_patches: Sequence[int], digests: Sequence[str], loads: Sequence[EncoderLoad],
+               applies: bool = True) -> list[int]:
+        """affinity_assign when it applies, else assignment.assign unchanged."""
+        if not applies:
+            return assign(image_patches, loads)
+        for n in image_patches:
+            cost = loads[0].model.predict(n)
+            self.mean_cost = cost if self.mean_cost is None else self.mean_cost + MEAN_COST_RATE * (
+                cost - self.mean_cost)
+        return affinity_assign(image_patches, digests, loads, slack=self.slack, held=self.held,
+                               transfer_seconds_per_patch=self.transfer_seconds_per_patch, cap_seconds=self.mean_cost)
+
+    def observe(self, key: Hashable, patches: int, digest: str, receive_seconds: float) -> None:
+        """A received embedding: its encoder now holds the digest; its receive time prices a transfer."""
+        self.held.learn(key, digest)
+        if receive_seconds > 0 and patches > 0:
+            r = TRANSFER_RATE
+            self.transfer_seconds_per_patch += r * (receive_seconds / patches - self.transfer_seconds_per_patch)

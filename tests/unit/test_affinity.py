@@ -1,0 +1,169 @@
+"""Digest affinity (affinity.py): rendezvous ranking, what encoders hold, the bounded-load choice."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+
+from encdis.llm_node.coordinator.affinity import Affinity, HeldDigests, affinity_assign, rank
+from encdis.llm_node.coordinator.assignment import EncoderLoad, assign
+from encdis.llm_node.coordinator.cost_model import CostModel
+from encdis.llm_node.coordinator.settings import CoordinatorSettings
+
+DIGESTS = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(4000)]
+KEYS = [f"10.0.0.{i}:50051" for i in range(8)]
+
+
+def tops(keys: list[str]) -> dict[str, str]:
+    return {d: keys[rank(d, keys)[0]] for d in DIGESTS}
+
+
+def loads(backlogs: list[float], keys: list[str] | None = None) -> list[EncoderLoad]:
+    keys = keys or KEYS[: len(backlogs)]
+    return [EncoderLoad(k, b, CostModel(0.0, 1e-3, 0.0)) for k, b in zip(keys, backlogs, strict=True)]
+
+
+def test_ranking_is_the_same_whatever_the_order_of_the_pool() -> None:
+    for d in DIGESTS[:200]:
+        shuffled = KEYS[3:] + KEYS[:3]
+        assert [KEYS[i] for i in rank(d, KEYS)] == [shuffled[i] for i in rank(d, shuffled)]
+
+
+def test_removing_an_encoder_moves_only_its_digests() -> None:
+    before = tops(KEYS)
+    gone = KEYS[5]
+    after = tops([k for k in KEYS if k != gone])
+    moved = {d for d in DIGESTS if before[d] != after[d]}
+    assert moved == {d for d in DIGESTS if before[d] == gone}
+    assert moved  # it did hold some
+
+
+def test_adding_an_encoder_moves_about_one_in_n() -> None:
+    before = tops(KEYS)
+    new = "10.0.0.99:50051"
+    after = tops([*KEYS, new])
+    moved = [d for d in DIGESTS if before[d] != after[d]]
+    assert all(after[d] == new for d in moved)  # only to the newcomer
+    assert 0.7 / 9 < len(moved) / len(DIGESTS) < 1.3 / 9
+
+
+def test_digests_spread_evenly() -> None:
+    counts = Counter(tops(KEYS).values())
+    mean = len(DIGESTS) / len(KEYS)
+    assert set(counts) == set(KEYS)
+    assert max(counts.values()) < 1.2 * mean and min(counts.values()) > 0.8 * mean
+
+
+def test_an_idle_pool_sends_each_digest_to_its_top_encoder() -> None:
+    for d in DIGESTS[:100]:
+        assert affinity_assign([1000], [d], loads([0.0] * 8), slack=1.0) == [rank(d, KEYS)[0]]
+
+
+def test_a_hot_digest_spills_to_the_next_ranked_once_the_top_is_behind_by_more_than_its_cost() -> None:
+    d = DIGESTS[0]
+    order = rank(d, KEYS)
+    cost = 1000 * 1e-3  # the image's forward: 1 s
+    backlogs = [0.0] * 8
+    backlogs[order[0]] = 0.9 * cost  # behind by less than its cost: stays
+    assert affinity_assign([1000], [d], loads(backlogs), slack=1.0) == [order[0]]
+    backlogs[order[0]] = 1.1 * cost  # behind by more: the next ranked, not just any idle one
+    assert affinity_assign([1000], [d], loads(backlogs), slack=1.0) == [order[1]]
+    backlogs[order[1]] = 5.0  # both behind: the third
+    assert affinity_assign([1000], [d], loads(backlogs), slack=1.0) == [order[2]]
+    # A bigger slack tolerates more.
+    assert affinity_assign([1000], [d], loads(backlogs), slack=2.0) == [order[0]]
+
+
+def test_a_big_image_waits_at_most_the_mean_images_cost_for_its_encoder() -> None:
+    # Pinning a 4K image behind up to its own cost would double its latency: Affinity caps the
+    # tolerance at the moving mean image's cost.
+    aff = Affinity(CoordinatorSettings())
+    small = [DIGESTS[500 + i] for i in range(50)]
+    for d in small:
+        aff.assign([100], [d], loads([0.0] * 8))
+    assert aff.mean_cost == pytest.approx(0.1)
+    d = DIGESTS[3]
+    order = rank(d, KEYS)
+    backlogs = [0.0] * 8
+    backlogs[order[0]] = 0.5  # far less than the big image's 4 s, more than the mean image's 0.1 s
+    assert affinity_assign([4000], [d], loads(backlogs), slack=1.0) == [order[0]]  # uncapped: stays
+    assert aff.assign([4000], [d], loads(backlogs)) == [order[1]]
+
+
+def test_a_known_hit_costs_its_transfer_at_the_encoder_that_holds_it() -> None:
+    d = DIGESTS[1]
+    order = rank(d, KEYS)
+    held = HeldDigests()
+    backlogs = [0.0] * 8
+    backlogs[order[0]] = 3.0  # far behind: a forward there would spill
+    backlogs[order[1]] = 3.0
+    assert affinity_assign([1000], [d], loads(backlogs), slack=1.0) == [order[2]]
+    held.learn(KEYS[order[0]], d)
+    # Held there, but 3 s of backlog + a transfer is behind a 1 s forward elsewhere by more than
+    # the slack (1 s); with 1.5 s of backlog it is within it.
+    assert affinity_assign([1000], [d], loads(backlogs), slack=1.0, held=held) == [order[2]]
+    backlogs[order[0]] = 1.5
+    assert affinity_assign([1000], [d], loads(backlogs), slack=1.0, held=held) == [order[0]]
+    # Many images of the same request at the holder cost transfers, not forwards.
+    backlogs = [0.0] * 8
+    many = DIGESTS[100:110]
+    for x in many:
+        held.learn(KEYS[order[0]], x)
+    picks = affinity_assign([1000] * 10, many, loads(backlogs), slack=0.0, held=held,
+                            transfer_seconds_per_patch=1e-6)
+    assert picks == [order[0]] * len(many)  # ten transfers (10 ms) beat any forward (1 s)
+
+
+def test_non_repeating_images_stay_balanced() -> None:
+    # A request of many distinct images: the affinity choice's makespan stays within one image's
+    # cost (the slack) of the cost-only policy's.
+    patches = [1000] * 64
+    ds = DIGESTS[200:264]
+    picks = affinity_assign(patches, ds, loads([0.0] * 8), slack=1.0)
+    base = assign(patches, loads([0.0] * 8))
+    span = max(Counter(picks).values())
+    assert span <= max(Counter(base).values()) + 1
+
+
+def handle(cache_bytes: int) -> SimpleNamespace:
+    return SimpleNamespace(description=SimpleNamespace(cache_bytes=cache_bytes))
+
+
+def test_the_off_switch_gives_the_cost_policy_unchanged() -> None:
+    aff = Affinity(CoordinatorSettings(affinity="off"))
+    assert not aff.applies([handle(1 << 30)] * 3)
+    d = DIGESTS[2]
+    backlogs = [0.5, 0.0, 0.2]
+    keys = KEYS[:3]
+    assert aff.assign([1000], [d], loads(backlogs, keys), aff.applies([handle(1)])) == \
+        assign([1000], loads(backlogs, keys))
+
+
+def test_not_applied_when_an_encoder_has_no_cache() -> None:
+    aff = Affinity(CoordinatorSettings())
+    assert aff.applies([handle(1 << 30)] * 3)
+    assert not aff.applies([handle(1 << 30), handle(0), handle(1 << 30)])
+    assert not aff.applies([handle(1 << 30), SimpleNamespace(description=None)])
+    assert not aff.applies([])
+
+
+def test_held_digests_are_bounded_and_forgotten() -> None:
+    held = HeldDigests(per_encoder=3)
+    for d in DIGESTS[:5]:
+        held.learn("a", d)
+    assert held.count("a") == 3 and not held.holds("a", DIGESTS[0]) and held.holds("a", DIGESTS[4])
+    held.learn("a", DIGESTS[2])  # refreshed: now the most recent
+    held.learn("a", DIGESTS[5])
+    assert held.holds("a", DIGESTS[2]) and not held.holds("a", DIGESTS[3])
+    held.forget("a")
+    assert held.count("a") == 0
+
+
+def test_settings_refuse_bad_values() -> None:
+    with pytest.raises(ValueError, match="--affinity must be on or off"):
+        CoordinatorSettings(affinity="maybe")
+    with pytest.raises(ValueError, match="--affinity-slack"):
+        CoordinatorSettings(affinity_slack=-1.0)
