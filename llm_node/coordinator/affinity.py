@@ -159,7 +159,7 @@ class Affinity:
     def applies(self, handles: Sequence[EncoderHandle]) -> bool:
         """On, and every candidate caches embeddings (one without a cache would forward every time)."""
         return self.on and bool(handles) and all(
-            getattr(h.description, "cache_bytes", 0) > 0 for h in handles)
+            h.description is not None and h.description.cache_bytes > 0 for h in handles)
 
     def assign(self, image_patches: Sequence[int], digests: Sequence[str], loads: Sequence[EncoderLoad],
                applies: bool = True) -> list[int]:
