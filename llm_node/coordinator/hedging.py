@@ -15,6 +15,13 @@ The check repeats while the call waits, so a call that was not worth hedging at 
 (every other encoder busy) is hedged once one frees up. The first embedding that passes the
 checks wins; the other call is cancelled, which the encoder sees (its queued images are
 dropped before their forward).
+
+A call to an encoder whose cost model has not seen a batch is never hedged: its prediction
+means nothing yet, and the attempt bound (encode_timeout_seconds) handles it. A hedge that
+wins while the first call is still running marks that encoder slow, as the attempt bound
+would have (fault kind `outpaced`): its call is cancelled before its bound could fire, and an
+encoder that straggles (a frozen one) must still leave the rotation rather than keep
+attracting calls that each cost a hedge.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from .handle import EncoderState
 
 if TYPE_CHECKING:
     from .expectation import PendingImage
@@ -175,6 +184,8 @@ class Hedger:
                 missed = [p for p in range(len(progress.finishes)) if p not in progress.delivered]
                 if missed:
                     self.pool.observe_finish(h, progress.finishes[missed[0]], time.monotonic() - progress.sent_at)
+                if primary in running and hedge_handle is not None:
+                    self.outpaced(h, hedge_handle, progress, len(missed))
             for _ in running:  # every image is here: the other attempt is cancelled below
                 self.metrics.hedges.labels("cancelled").inc()
             return None, False
@@ -186,11 +197,23 @@ class Hedger:
             if hedge_handle is not None:
                 self.pool.release(hedge_handle)
 
+    def outpaced(self, h: EncoderHandle, winner: EncoderHandle, progress: CallProgress, missed: int) -> None:
+        """The hedge on `winner` delivered what the call to `h` had not: `h` is slow, as if its
+        attempt bound had fired (the cancellation below means it never will for this call)."""
+        waited = time.monotonic() - progress.sent_at
+        predicted = progress.finishes[-1] if progress.finishes else 0.0
+        self.metrics.encoder_faults.labels(h.address, "outpaced").inc()
+        self.pool.penalise(h, EncoderState.SLOW,
+                           f"outpaced: a hedge on {winner.address} delivered {missed} image(s) first, "
+                           f"{waited:.3g}s into a call predicted to finish in {predicted:.3g}s")
+
     def target(self, h: EncoderHandle, left: list[PendingImage], progress: CallProgress,
                excluded: set[str]) -> EncoderHandle | None:
         """The encoder a straggling call's missing images should also go to, or None."""
         if not progress.finishes or len(progress.delivered) >= len(progress.finishes):
             return None
+        if h.cost_model.observations == 0:
+            return None  # its predictions mean nothing yet: the attempt bound handles it
         now = time.monotonic()
         waited = now - progress.sent_at
         first = min(pos for pos in range(len(progress.finishes)) if pos not in progress.delivered)

@@ -6,7 +6,7 @@ import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-FAULT_KINDS = ("bad_embedding", "timeout", "busy")
+FAULT_KINDS = ("bad_embedding", "timeout", "outpaced", "busy")
 # Seconds; from a cache hit (microseconds) to a queue of 4K images (tens of seconds).
 EMBEDDINGS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -29,8 +29,9 @@ class CoordinatorMetrics:
         self.encoder_faults = Counter(
             "encdis_coordinator_encoder_faults_total",
             "Encode calls that went wrong on the encoder's side, by kind: bad_embedding (it sent other "
-            "than what was asked: quarantined), timeout (past its predicted-cost bound: slow), busy "
-            "(RESOURCE_EXHAUSTED)", ["encoder", "kind"], registry=registry)
+            "than what was asked: quarantined), timeout (past its predicted-cost bound: slow), outpaced "
+            "(a hedge on another encoder delivered first: slow), busy (RESOURCE_EXHAUSTED)",
+            ["encoder", "kind"], registry=registry)
         # Prefill cannot start before the last of a request's images is embedded: the wait that
         # matters to time-to-first-token is until all of them are in hand.
         self.request_embeddings_seconds = Histogram(

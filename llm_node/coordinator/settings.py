@@ -70,9 +70,10 @@ class CoordinatorSettings:
     load_report_max_age_seconds: float = 1.0
     # Hedging (hedging.py): a second attempt for images past their predicted finish by a learned
     # margin, where another encoder would finish sooner; extra patches within the budget
-    # (a fraction of the patches sent over the window). Off by default: with load reports on, a frozen
-    # encoder's calls are hedged and cancelled before its attempt bound marks it slow, so it stays
-    # in the rotation until its connection fails (tests/integration/test_hung_encoders.py).
+    # (a fraction of the patches sent over the window). A winning hedge marks the encoder it beat
+    # slow, as its attempt bound would have, so a frozen encoder leaves the rotation. Off by
+    # default: on a host whose cores the engine shares, an ordinary late call can be hedged and
+    # its encoder marked slow, which an operator should choose knowingly.
     hedge: str = "off"
     hedge_budget: float = 0.05
     hedge_window_seconds: float = 60.0

@@ -51,13 +51,13 @@ def encoder_args(model, host: str, port: int = 0) -> list[str]:
 
 
 @contextlib.contextmanager
-def started_encoders(model, count: int = 2) -> Iterator[list[NodeProcess]]:
-    """`count` encoder-node processes on 127.0.0.1, started together; thawed (a test may have
-    SIGSTOPped one) and stopped at the end."""
+def started_encoders(model, count: int = 2, extra: Sequence[str] = ()) -> Iterator[list[NodeProcess]]:
+    """`count` encoder-node processes on 127.0.0.1 (`extra`: more flags), started together; thawed
+    (a test may have SIGSTOPped one) and stopped at the end."""
     nodes: list[NodeProcess] = []
     try:
         for _ in range(count):
-            nodes.append(NodeProcess(encoder_args(model, "127.0.0.1"), host="127.0.0.1"))
+            nodes.append(NodeProcess([*encoder_args(model, "127.0.0.1"), *extra], host="127.0.0.1"))
         for n in nodes:
             n.wait_ready(NODE_TIMEOUT)
         yield nodes

@@ -55,6 +55,9 @@ async def test_images_on_a_frozen_encoder_complete_from_the_other_and_the_stragg
         await wait_for(lambda: len(coord.pool.serving()) == 2, what="both encoders serving")
         for i in range(6):  # fit both cost models and the prediction errors
             await coord.encode([png(150 + 14 * i, 150, seed=800 + i), png(150, 160 + 14 * i, seed=900 + i)])
+        # A warm-up call late on this shared machine may have been hedged, and its encoder marked
+        # slow by the hedge that beat it: both must be back before the freeze.
+        await wait_for(lambda: len(coord.pool.serving()) == 2, what="both encoders serving after the warm-up")
         images = [[png(180, 180 + 14 * i, seed=1000 + i), png(190 + 14 * i, 180, seed=1100 + i)] for i in range(4)]
         os.kill(victim.pid, signal.SIGSTOP)
         try:
@@ -68,6 +71,10 @@ async def test_images_on_a_frozen_encoder_complete_from_the_other_and_the_stragg
         assert metric(r, "encdis_coordinator_hedges_total", event="sent") >= 1
         assert metric(r, "encdis_coordinator_hedges_total", event="won") >= 1
         assert metric(r, "encdis_coordinator_hedges_total", event="cancelled") >= 1
+        # The hedges that beat the victim marked it slow, as its attempt bound would have.
+        assert metric(r, "encdis_coordinator_encoder_faults_total", encoder=victim.address, kind="outpaced") >= 1
+        stalled = next(e for e in coord.encoders() if e.address == victim.address)
+        assert stalled.state == "slow" and stalled.reason.startswith("outpaced"), stalled
         # Delivered by the hedges, not by the attempt bound moving them.
         assert metric(r, "encdis_coordinator_encoder_faults_total", encoder=victim.address, kind="timeout") == 0
         hedged = metric(r, "encdis_coordinator_hedge_patches_total")
