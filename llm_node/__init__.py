@@ -11,6 +11,7 @@ Where each role lives:
     reaper.py       a small process that kills vLLM's engine processes if the node dies
     prompt.py       the checkpoint's chat template, one image placeholder per image
     coordinator/    images -> embeddings over the encoder pool (imports no vLLM)
+    coordinator_thread.py  the coordinator on its own thread and loop (off the token-streaming loop)
     settings.py     LLMSettings from flags and ENCDIS_* variables
     metrics.py      encdis_llm_* metrics
     cli.py          `encdis llm`

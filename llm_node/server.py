@@ -91,6 +91,7 @@ class Exposure:
 async def _serve(settings: LLMSettings, engine: EngineHost, exposure: Exposure) -> int:
     from encdis.llm_node.coordinator import Coordinator
     from encdis.llm_node.coordinator.identity import expected_tower_impl
+    from encdis.llm_node.coordinator_thread import CoordinatorThread
 
     towers = await engine.vision_tower()
     tower_params = sum(int(t["visual_parameters"]) for t in towers)
@@ -104,9 +105,12 @@ async def _serve(settings: LLMSettings, engine: EngineHost, exposure: Exposure) 
              expected_tower_impl(coordinator_settings.encoder_tower_impl, coordinator_settings.encoder_datatype))
     registry = CollectorRegistry()
     metrics = LLMNodeMetrics(registry)
-    coordinator = Coordinator.from_checkpoint(coordinator_settings, registry, settings.model,
-                                              channel_security=exposure.encoder_security)
-    coordinator.tracing = tracing = Tracing.configured(settings.otlp_traces_endpoint, "encdis-llm")
+    pool_coordinator = Coordinator.from_checkpoint(coordinator_settings, registry, settings.model,
+                                                   channel_security=exposure.encoder_security)
+    pool_coordinator.tracing = tracing = Tracing.configured(settings.otlp_traces_endpoint, "encdis-llm")
+    # Receiving embeddings is work in proportion to their bytes: on its own thread and loop, it
+    # cannot stall this loop's token streams (coordinator_thread.py).
+    coordinator = CoordinatorThread(pool_coordinator)
     await coordinator.start()
     service = GenerationService(settings, engine, coordinator, PromptRenderer(settings.model), metrics)
     servicer = GenerateServicer(settings, service, coordinator)

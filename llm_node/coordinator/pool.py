@@ -101,7 +101,8 @@ class EncoderPool:
         return list(self._handles.values())
 
     def serving(self) -> list[EncoderHandle]:
-        return [h for h in self._handles.values() if h.routable]
+        # A copy first: the node's front doors read this from another thread than the pool's.
+        return [h for h in list(self._handles.values()) if h.routable]
 
     def slow_but_serving(self) -> list[EncoderHandle]:
         """Encoders out of rotation only for running late, healthy otherwise; soonest back first.

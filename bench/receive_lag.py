@@ -1,0 +1,154 @@
+"""Token-streaming loop lag while embeddings arrive: the receive path on the node's loop vs on its own thread.
+
+    python bench/receive_lag.py [--senders 8] [--rounds 5] [--image 4K] [--model 72B] [--json out.json]
+
+--senders sender processes, as that many encoder nodes would be (each the encoder's real send
+path from a pre-made embedding: bench/transport.py --serve), each send one BF16 embedding of
+--image for a --model at the same moment (4K 72B: 10549 rows x 8192, 173 MB). The coordinator's
+receiver (an EncoderHandle's channel, AsyncEncoderClient.encode_iter with the image's
+expectation, records.embedding_tensor) takes them:
+
+  main    on the loop that also streams tokens (where the coordinator ran before);
+  thread  on a loop of its own in another thread (coordinator_thread.LoopThread, as the LLM
+          node now runs its coordinator), awaited from the main loop.
+
+Either way a 1 ms sleeper on the main loop records how late it wakes (bench/transport.py's
+probe): that lateness is what every token stream on the node waits. The variants alternate
+within each round (rotated order); the table has the medians over rounds and the ratio
+thread/main per round's medians.
+
+Measured: 2 shared vCPUs, Python 3.11, grpcio 1.85; the eight senders on the same two cores;
+`python bench/receive_lag.py --rounds 5` (see the closing note of the change for the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from transport import HIDDEN, SIZES, encdis_receive, idle_lag, loop_lag, rows_for  # noqa: E402
+
+from encdis.client.encoder_client import RECEIVE_CHUNK_BYTES  # noqa: E402
+from encdis.llm_node.coordinator_thread import LoopThread  # noqa: E402
+
+TRANSPORT = Path(__file__).resolve().parent / "transport.py"
+
+
+def start_senders(n: int) -> tuple[list[subprocess.Popen], list[str]]:
+    procs = [subprocess.Popen([sys.executable, str(TRANSPORT), "--serve"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for _ in range(n)]
+    addresses = []
+    for p in procs:
+        _tcp_port, grpc_port = map(int, p.stdout.readline().split())
+        addresses.append(f"127.0.0.1:{grpc_port}")
+    return procs, addresses
+
+
+async def make_handles(addresses: list[str]) -> list:
+    """One EncoderHandle (its own channel) per sender, made on the loop that will use them."""
+    from encdis.llm_node.coordinator.handle import EncoderHandle
+
+    return [EncoderHandle(a, "bench", cost_model=None) for a in addresses]
+
+
+async def close_handles(handles: list) -> None:
+    for h in handles:
+        await h.channel.close()
+
+
+async def receive_all(handles: list, rows: int, hidden: int, keep: list) -> None:
+    await asyncio.gather(*(encdis_receive(h, rows, hidden, RECEIVE_CHUNK_BYTES, keep) for h in handles))
+
+
+async def measure(args: argparse.Namespace) -> dict:
+    rows, hidden = rows_for(*SIZES[args.image]), HIDDEN[args.model]
+    nbytes = args.senders * rows * hidden * 2
+    procs, addresses = start_senders(args.senders)
+    other = LoopThread("bench-receiver")
+    other.start()
+    try:
+        on_main = await make_handles(addresses)
+        on_thread = await other.run(make_handles, addresses)
+        variants = {
+            "main": lambda keep: receive_all(on_main, rows, hidden, keep),
+            "thread": lambda keep: other.run(receive_all, on_thread, rows, hidden, keep),
+        }
+        for run in variants.values():  # warm both sets of channels (windows, buffers)
+            await run([])
+        idle = await idle_lag()
+        results: dict[str, list[dict]] = {name: [] for name in variants}
+        names = list(variants)
+        for r in range(args.rounds):
+            for name in names[r % 2:] + names[:r % 2]:
+                keep: list = []
+                results[name].append(await loop_lag([variants[name](keep)], nbytes))
+                keep.clear()
+        await other.run(close_handles, on_thread)
+        await close_handles(on_main)
+        return {"senders": args.senders, "image": args.image, "model": args.model, "rows": rows, "hidden": hidden,
+                "mbytes_per_image": rows * hidden * 2 / 1e6, "rounds": args.rounds, "idle": idle, "runs": results}
+    finally:
+        await other.stop()
+        for p in procs:
+            p.stdin.close()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def summary(result: dict) -> list[dict]:
+    rows = []
+    for name, runs in result["runs"].items():
+        rows.append({"variant": name, **{f"lag_{q}_ms": statistics.median(r["lag_ms"][q] for r in runs)
+                                          for q in ("p50", "p99", "max")},
+                     "mb_per_s": statistics.median(r["mb_per_s"] for r in runs)})
+    pairs = list(zip(result["runs"]["main"], result["runs"]["thread"], strict=True))
+    rows.append({"variant": "thread/main", **{
+        f"lag_{q}_ms": statistics.median(t["lag_ms"][q] / max(m["lag_ms"][q], 1e-6) for m, t in pairs)
+        for q in ("p50", "p99", "max")},
+        "mb_per_s": statistics.median(t["mb_per_s"] / m["mb_per_s"] for m, t in pairs)})
+    return rows
+
+
+def print_table(result: dict, rows: list[dict]) -> None:
+    i = result["idle"]["lag_ms"]
+    print(f"\nmain-loop lag of a 1 ms sleeper while {result['senders']} x {result['image']} {result['model']} "
+          f"embeddings ({result['mbytes_per_image']:.1f} MB each) arrive at once; medians of {result['rounds']} "
+          f"rounds (idle: p50 {i['p50']:.2f}, p99 {i['p99']:.2f}, max {i['max']:.2f} ms)")
+    header = f"{'receiver on':12} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'MB/s':>8}"
+    print(header, "-" * len(header), sep="\n")
+    for r in rows:
+        ratio = r["variant"] == "thread/main"
+        fmt = "{:>8.2f}" if ratio else "{:>8.1f}"
+        print(f"{r['variant']:12} " + " ".join(fmt.format(r[k]) for k in ("lag_p50_ms", "lag_p99_ms", "lag_max_ms"))
+              + (f" {r['mb_per_s']:>8.2f}" if ratio else f" {r['mb_per_s']:>8.0f}"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--senders", type=int, default=8, help="sender processes (encoders), one embedding each")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--image", choices=sorted(SIZES), default="4K")
+    p.add_argument("--model", choices=sorted(HIDDEN), default="72B")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    result = asyncio.run(measure(args))
+    rows = summary(result)
+    print_table(result, rows)
+    if args.json:
+        args.json.write_text(json.dumps({**result, "summary": rows}, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The coordinator on its own thread and event loop, so receiving embeddings cannot stall token streams.
+
+Role: the node's event loop streams every request's tokens (gRPC and SSE) and drives vLLM's
+AsyncLLM. Receiving an embedding (gRPC frames, checks, the tensor over its bytes) is work
+proportional to its size: eight 4K-image embeddings of a 72B model are 1.4 GB. On the main
+loop that work delays every other callback; on this thread it competes only for the GIL,
+which Python hands over every switch interval (5 ms), so the main loop's lag stays near it.
+bench/receive_lag.py measures both side by side.
+
+Everything of the coordinator that touches its channels (start, encode, stop, its health
+watches and load-report streams) runs on this thread's loop, where its gRPC channels were
+made. Its synchronous, read-only parts (grid arithmetic, image probes, ListEncoders' view of
+the pool) are called from any thread, as before: they read state, they do not await.
+
+A request cancelled on the main loop cancels its encode here (asyncio.wrap_future cancels the
+concurrent future, which cancels the task on this loop), and the caller's context (its
+OpenTelemetry span) is copied over, so the coordinator's spans stay children of the request's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import threading
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from encdis.llm_node.coordinator import Coordinator
+    from encdis.llm_node.coordinator.records import EncodeResult
+
+T = TypeVar("T")
+START_TIMEOUT_SECONDS = 30.0
+
+
+class LoopThread:
+    """An event loop of its own on a daemon thread; `run` awaits a coroutine function there from any loop."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._started = threading.Event()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.call_soon(self._started.set)
+        self.loop.run_forever()
+
+    def start(self) -> None:
+        self._thread.start()
+        if not self._started.wait(START_TIMEOUT_SECONDS):
+            raise RuntimeError(f"thread {self._thread.name} did not start its loop")
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    async def run(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any, **kwargs: Any) -> T:
+        """fn(*args, **kwargs) run as a task on this thread's loop, in a copy of the caller's context."""
+        ctx = contextvars.copy_context()
+
+        async def in_context() -> T:
+            # The task inherits ctx; awaiting it here means cancelling this cancels it too.
+            return await ctx.run(asyncio.ensure_future, fn(*args, **kwargs))
+
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(in_context(), self.loop))
+
+    async def stop(self) -> None:
+        """Stop the loop (after what `run` started has finished) and join the thread."""
+        if not self._thread.is_alive():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        await asyncio.to_thread(self._thread.join, START_TIMEOUT_SECONDS)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+class CoordinatorThread:
+    """A Coordinator whose loop is a dedicated thread; `encode` is awaited from any other loop."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+        self._loop = LoopThread("encdis-coordinator")
+
+    def __getattr__(self, name: str) -> Any:
+        # grid_tokens, hidden_size, image_grids, encoders(), pool, tracing: the synchronous parts.
+        return getattr(self.coordinator, name)
+
+    async def start(self) -> None:
+        self._loop.start()
+        await self._loop.run(self.coordinator.start)
+
+    async def encode(self, images: Any, **kwargs: Any) -> EncodeResult:
+        """Coordinator.encode on the coordinator's loop (same arguments, errors and result)."""
+        return await self._loop.run(self.coordinator.encode, images, **kwargs)
+
+    async def stop(self) -> None:
+        if not self._loop.running:
+            return
+        try:
+            await self._loop.run(self.coordinator.stop)
+        finally:
+            await self._loop.stop()
