@@ -53,10 +53,11 @@ the same client. A short run on the shared 2-core machine (S = core 0, E = core 
     1  aiperf    encdis    10.27 (0.85x)  46.7 (1.74x)  52.4 (1.54x)   2.9 (0.88x)     8       0
     1  aiperf    encdis+1  10.35 (0.86x)  45.5 (1.70x)  54.3 (1.60x)   2.9 (0.90x)     8       0
 
-The three agree on (b): 0.84-0.88x the req/s, 1.7x the TTFT. On (c) they do not (0.97x
-against 0.86-0.87x the req/s): with two cores the client shares E with (c)'s encoders, so a
-client that takes more of E slows (c)'s encodes; the clients' own CPU time is not measured
-here, and 8 requests in one round are within this machine's noise.
+The three agree on (b): 0.84-0.88x the req/s, 1.7x the TTFT (the same command again:
+0.75-0.79x, 1.75-2.03x). On (c) vLLM's client gave 0.97x and 0.89x the req/s, the others
+0.81-0.87x: with two cores the client shares E with (c)'s encoders, so a client that takes
+more of E slows (c)'s encodes; the clients' own CPU time is not measured here, and 8 requests
+in one round are within this machine's noise.
 
 Measured on a 2-core VM shared with other jobs (so runs of one system differ by up to 1.5x
 at c=8; trust medians and the CPU table more than one run), tiny checkpoint, S = core 0,
