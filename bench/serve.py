@@ -29,7 +29,35 @@ its cores.
 
     python bench/serve.py [--model DIR] [--cpus 0] [--extra-cpus 1] [--concurrency 1,8]
                           [--num-prompts 16] [--input-len 64] [--output-len 16] [--image-size 224]
-                          [--repeats 1] [--json out.json]
+                          [--repeats 1] [--clients vllm] [--json out.json]
+
+Two more standard clients can drive every system beside it: `bash scripts/setup_bench_clients.sh`,
+then `python bench/serve.py --clients vllm,guidellm,aiperf`. GuideLLM and aiperf
+(bench/serve_clients.py) run right after `vllm bench serve` on the same system, concurrency and
+seed, with the same workload as far as they allow: GuideLLM sends no text, only the image (its
+synthetic image data has no prompt), and each client draws its own random images and text. One
+more table gives every client's req/s, mean/p99 TTFT, mean TPOT (GuideLLM's and aiperf's
+inter-token latency, the same quantity) and counts, each with its ratio to vllm as measured by
+the same client. A short run on the shared 2-core machine (S = core 0, E = core 1, client on 1):
+
+`python bench/serve.py --clients vllm,guidellm,aiperf --concurrency 1 --num-prompts 8`
+
+    c  client    system            req/s  mean TTFT ms   p99 TTFT ms  mean TPOT ms  done  failed
+    1  vllm      vllm              13.41          25.0          32.0           3.3     8       0
+    1  vllm      encdis    11.29 (0.84x)  42.8 (1.71x)  48.6 (1.52x)   3.0 (0.92x)     8       0
+    1  vllm      encdis+1  12.99 (0.97x)  31.9 (1.28x)  44.5 (1.39x)   3.0 (0.91x)     8       0
+    1  guidellm  vllm              11.62          27.2          37.1           3.1     8       0
+    1  guidellm  encdis    10.25 (0.88x)  47.6 (1.75x)  55.2 (1.49x)   2.7 (0.87x)     8       0
+    1  guidellm  encdis+1  10.13 (0.87x)  50.0 (1.84x)  61.0 (1.64x)   2.7 (0.87x)     8       0
+    1  aiperf    vllm              12.05          26.8          34.0           3.3     8       0
+    1  aiperf    encdis    10.27 (0.85x)  46.7 (1.74x)  52.4 (1.54x)   2.9 (0.88x)     8       0
+    1  aiperf    encdis+1  10.35 (0.86x)  45.5 (1.70x)  54.3 (1.60x)   2.9 (0.90x)     8       0
+
+The three agree on (b): 0.84-0.88x the req/s, 1.7x the TTFT (the same command again:
+0.75-0.79x, 1.75-2.03x). On (c) vLLM's client gave 0.97x and 0.89x the req/s, the others
+0.81-0.87x: with two cores the client shares E with (c)'s encoders, so a client that takes
+more of E slows (c)'s encodes; the clients' own CPU time is not measured here, and 8 requests
+in one round are within this machine's noise.
 
 Measured on a 2-core VM shared with other jobs (so runs of one system differ by up to 1.5x
 at c=8; trust medians and the CPU table more than one run), tiny checkpoint, S = core 0,
@@ -100,7 +128,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package
-from serve_report import COLUMNS, cpu_text, goals, goals_text, ratio, split_text, table  # noqa: E402
+from serve_clients import ROW_KEYS, Workload, missing_clients, parse_clients, run_client, vllm_row  # noqa: E402
+from serve_report import COLUMNS, client_ratios, clients_text, cpu_text, goals, goals_text, ratio, split_text, table  # noqa: E402
 from serve_systems import (  # noqa: E402
     OFFLINE_ENV,
     System,
@@ -192,6 +221,8 @@ def benchmark(systems: list[System], args: argparse.Namespace, client_cpus: list
                        out_dir=out_dir / s.name / "warmup", seed=args.seed + 1000, input_len=args.input_len,
                        output_len=args.output_len, image_size=args.image_size, cpus=client_cpus, env=OFFLINE_ENV)
     runs: dict[str, dict[int, list[dict]]] = {s.name: {c: [] for c in args.concurrency} for s in systems}
+    others: dict[str, dict[str, dict[int, list[dict]]]] = {
+        s.name: {client: {c: [] for c in args.concurrency} for client in args.clients[1:]} for s in systems}
     for rnd in range(args.repeats):
         for i, c in enumerate(args.concurrency):
             # A new seed per run: new random images and text, so no cache hit carries over.
@@ -199,6 +230,12 @@ def benchmark(systems: list[System], args: argparse.Namespace, client_cpus: list
             k = (rnd + i) % len(systems)
             for s in systems[k:] + systems[:k]:
                 runs[s.name][c].append(run_once(s, systems, args, c, seed, client_cpus, out_dir))
+                for client in args.clients[1:]:  # the other clients: same system, same workload
+                    w = Workload(args.num_prompts, c, args.input_len, args.output_len, args.image_size, seed)
+                    row = run_client(client, s.base_url, s.model, s.model, w, out_dir / s.name, client_cpus)
+                    print(f"  {s.name} c={c} {client}: {row['request_throughput']:.2f} req/s, mean TTFT "
+                          f"{row['mean_ttft_ms']:.1f} ms, {row['completed']} done, {row['failed']} failed", flush=True)
+                    others[s.name][client][c].append(row)
     out = {}
     for s in systems:
         by_c = {}
@@ -208,8 +245,18 @@ def benchmark(systems: list[System], args: argparse.Namespace, client_cpus: list
             agg["failed"] = sum(r["failed"] for r in rows)
             agg["runs"] = rows
             by_c[c] = agg
-        out[s.name] = {"cpus": s.cpus, "cores_allowed": s.confinement(), "by_concurrency": by_c}
+        clients = {"vllm": {c: vllm_row(by_c[c]) for c in args.concurrency}}
+        for client, by_c_rows in others[s.name].items():
+            clients[client] = {c: client_median(rows) for c, rows in by_c_rows.items()}
+        out[s.name] = {"cpus": s.cpus, "cores_allowed": s.confinement(), "by_concurrency": by_c, "clients": clients}
     return out
+
+
+def client_median(rows: list[dict]) -> dict:
+    """One client's runs at one concurrency: each figure's median, the counts summed."""
+    agg = median_of([{k: r[k] for k in ROW_KEYS} for r in rows])
+    return agg | {"completed": sum(r["completed"] for r in rows), "failed": sum(r["failed"] for r in rows),
+                  "runs": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,7 +277,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--startup-timeout", type=float, default=900)
     p.add_argument("--log-dir", type=Path, default=None, help="node logs and vLLM's result files (default: temp)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--clients", default="vllm",
+                   help="benchmark clients run on every system, comma-separated from vllm,guidellm,aiperf "
+                        "(vllm always runs; the others need scripts/setup_bench_clients.sh)")
     args = p.parse_args(argv)
+    try:
+        args.clients = parse_clients(args.clients)
+    except ValueError as e:
+        p.error(str(e))
+    if missing_clients(args.clients):
+        p.error(f"not installed: {', '.join(missing_clients(args.clients))} (bash scripts/setup_bench_clients.sh)")
 
     online = sorted(os.sched_getaffinity(0))
     s_cpus = parse_cpus(args.cpus)
@@ -285,10 +341,15 @@ def main(argv: list[str] | None = None) -> int:
     idle = max(r["idle_others_cpu_per_s"] for s in systems.values() for c in s["by_concurrency"].values()
                for r in c["runs"])
     print(f"idle systems waiting their turn took at most {100 * idle:.1f}% of a core during another's run")
+    if len(args.clients) > 1:
+        print()
+        print("every client on every system (ratio to vllm with the same client; TPOT = GuideLLM's and aiperf's ITL):")
+        print(clients_text(systems, args.concurrency, args.clients))
     ratios = {name: {c: {k: ratio(s["by_concurrency"][c][k], systems["vllm"]["by_concurrency"][c][k])
                          for k, _ in COLUMNS} for c in args.concurrency} for name, s in systems.items()}
     result = {
         "systems": systems, "ratios_to_vllm": ratios, "goals": goal_rows,
+        "client_ratios_to_vllm": client_ratios(systems, args.concurrency, args.clients),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
         | {"cpus": s_cpus, "extra_cpus": extra, "client_cpus": client},
         "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0],
@@ -297,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
         print(f"written to {args.json}")
-    failed = sum(r["failed"] or 0 for s in systems.values() for r in s["by_concurrency"].values())
+    failed = sum(r["failed"] or 0 for s in systems.values() for by_c in s["clients"].values() for r in by_c.values())
     return 1 if failed else 0
 
 

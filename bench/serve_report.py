@@ -29,6 +29,36 @@ def table(systems: dict[str, dict], concurrency: list[int]) -> str:
     return _columns(rows)
 
 
+# The clients' common figures (bench/serve_clients.py's ROW_KEYS): (key, header, format).
+CLIENT_COLUMNS = (("request_throughput", "req/s", "{:.2f}"), ("mean_ttft_ms", "mean TTFT ms", "{:.1f}"),
+                  ("p99_ttft_ms", "p99 TTFT ms", "{:.1f}"), ("mean_tpot_ms", "mean TPOT ms", "{:.1f}"))
+
+
+def client_ratios(systems: dict[str, dict], concurrency: list[int], clients: list[str]) -> dict:
+    """{client: {system: {c: {figure: ratio to vllm's with the same client}}}}."""
+    base = systems["vllm"]["clients"]
+    return {cl: {name: {c: {k: ratio(s["clients"][cl][c][k], base[cl][c][k]) for k, _, _ in CLIENT_COLUMNS}
+                        for c in concurrency} for name, s in systems.items()} for cl in clients}
+
+
+def clients_text(systems: dict[str, dict], concurrency: list[int], clients: list[str]) -> str:
+    """One row per (concurrency, client, system); each system's figures with their ratio to vllm's
+    as measured by the same client, so the clients' own differences cancel."""
+    rows = [["c", "client", "system", *(h for _, h, _ in CLIENT_COLUMNS), "done", "failed"]]
+    for c in concurrency:
+        for cl in clients:
+            b = systems["vllm"]["clients"][cl][c]
+            for name, s in systems.items():
+                r = s["clients"][cl][c]
+                cells = [str(c), cl, name]
+                for key, _, fmt in CLIENT_COLUMNS:
+                    v = r[key]
+                    cell = "-" if v is None else fmt.format(v)
+                    cells.append(cell + ("" if name == "vllm" or v is None else f" ({ratio(v, b[key]):.2f}x)"))
+                rows.append(cells + [str(r["completed"]), str(r["failed"])])
+    return _columns(rows, left=3)
+
+
 def goals(systems: dict[str, dict], concurrency: list[int], extra_name: str) -> list[dict]:
     out = []
     for c in concurrency:
