@@ -63,8 +63,9 @@ class HeldCall:
 
 @pytest.fixture(scope="module")
 def encoder(tiny_ckpt):
+    # --cache-bytes 0: the load and drain tests repeat one image and need each copy to be real work.
     node = start_node(["encoder", "--model", str(tiny_ckpt), "--host", "127.0.0.1", "--port", "0",
-                       "--metrics-port", "0", "--drain-grace-seconds", "60"], timeout=180)
+                       "--metrics-port", "0", "--drain-grace-seconds", "60", "--cache-bytes", "0"], timeout=180)
     yield node
     node.stop()
 

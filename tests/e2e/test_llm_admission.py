@@ -23,6 +23,10 @@ def test_three_times_the_limit_excess_refused_promptly_the_rest_equal_monolithic
     case = equality_cases["c0_text_only"]
     limit = LLM_NODE_MAX_CONCURRENT
 
+    # The gauge as earlier tests on this shared node left it (after GuideLLM's HTTP streams it has
+    # been seen off by the admitted count: an open defect of the gauge, not of admission).
+    in_flight_before = llm_node.metric("encdis_requests_in_flight")
+
     async def run() -> tuple[list, list[bool]]:
         async with AsyncGenerateClient(llm_node.address, timeout=600) as client:
             started = [asyncio.Event() for _ in range(limit)]
@@ -51,7 +55,8 @@ def test_three_times_the_limit_excess_refused_promptly_the_rest_equal_monolithic
                 return not any(t.done() for t in held)
 
             while_held = await asyncio.gather(*(refused() for _ in range(2 * limit)))
-            assert llm_node.metric("encdis_requests_in_flight") == limit  # still running while refusing
+            # still running while refusing
+            assert llm_node.metric("encdis_requests_in_flight") - in_flight_before == limit
             return await asyncio.gather(*held), list(while_held)
 
     results, while_held = asyncio.run(run())
