@@ -43,7 +43,7 @@ async def test_cancelling_the_caller_cancels_the_work_on_the_other_loop(loop_thr
     async def long_call() -> None:
         started.set()
         try:
-            await asyncio.sleep(3600)
+            await asyncio.Event().wait()  # until cancelled
         except asyncio.CancelledError:
             cancelled.set()
             raise
