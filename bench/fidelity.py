@@ -144,12 +144,15 @@ def run_encdis(model: Path, cases, dtype: str, tower_impl: str, encoders: int) -
     """Tokens from a real LLM node and its encoder nodes, one prompt at a time."""
     from encdis.client import GenerateClient
     from encdis.launcher import start_node
+    from encdis.llm_node.engine import cpu_worker_threads
 
     nodes = []
     try:
         for _ in range(encoders):
             nodes.append(start_node(["encoder", "--model", str(model), "--host", "127.0.0.1", "--port", "0",
-                                     "--dtype", dtype, "--tower-impl", tower_impl], timeout=300))
+                                     "--dtype", dtype, "--tower-impl", tower_impl,
+                                     # bf16 rounds by thread split: the engine worker's count
+                                     "--torch-threads", str(cpu_worker_threads())], timeout=300))
         llm_args = ["llm", "--model", str(model), "--host", "127.0.0.1", "--port", "0", "--dtype", dtype,
                     "--encoders", ",".join(n.address for n in nodes), "--cache-bytes", "0"]
         if tower_impl != "auto":

@@ -80,9 +80,11 @@ def trace_metadata(context: Context | None = None) -> list[tuple[str, str]]:
 
 
 def record_span(tracer: trace.Tracer, parent: trace.Span, name: str, start_ns: int, end_ns: int,
-                **attributes: str | int | float) -> None:
+                **attributes: str | int | float) -> trace.Span:
     """A finished child span of `parent` over [start_ns, end_ns] (time.time_ns()), for a step
-    measured as it happened (a queue wait, a batched forward) rather than wrapped in a block."""
+    measured as it happened (a queue wait, a batched forward) rather than wrapped in a block;
+    returned, to parent the step's own parts."""
     span = tracer.start_span(name, context=trace.set_span_in_context(parent), start_time=start_ns,
                              attributes=attributes)
     span.end(end_time=max(start_ns, end_ns))
+    return span

@@ -10,6 +10,7 @@ Every rejection is an InvalidArgument naming the image index and the reason.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,9 @@ class PreparedImage:
     pixel_values: torch.Tensor
     grid_thw: tuple[int, int, int]
     digest: str
+    # When decoding (bytes to RGB pixels) began and ended (time.time_ns()); the image processor's
+    # resize and normalisation follow it.
+    decode_ns: tuple[int, int] = (0, 0)
 
     @property
     def num_patches(self) -> int:
@@ -118,6 +122,7 @@ class ImagePreprocessor:
 
     def prepare(self, index: int, data: bytes, min_pixels: int, max_pixels: int) -> PreparedImage:
         """Decode and preprocess one (already inspected) image. CPU-heavy: call it off the event loop."""
+        t_decode = time.time_ns()
         try:
             img = open_image(data)
         except ValueError as e:
@@ -128,6 +133,7 @@ class ImagePreprocessor:
             raise InvalidArgument.for_image(index, f"cannot decode {img.format}: {e}") from None
         try:
             rgb = image_loader.load(img, self.image_loader)
+            decoded = time.time_ns()
             raw = {"do_rescale": False, "do_normalize": False} if self.raw_pixels else {}
             out = self.processor(images=[rgb], size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
                                  return_tensors="pt", **raw)
@@ -139,6 +145,7 @@ class ImagePreprocessor:
             pixel_values=out["pixel_values"],
             grid_thw=(t, h, w),
             digest=self.digest(data, min_pixels, max_pixels),
+            decode_ns=(t_decode, decoded),
         )
 
     def digest(self, data: bytes, min_pixels: int, max_pixels: int) -> str:

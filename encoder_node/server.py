@@ -53,6 +53,9 @@ SERVICE_NAME = encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_na
 
 def load_model(settings: EncoderSettings, metrics: EncoderMetrics) -> LoadedModel:
     """Tower, processor and fingerprint (blocking); the batcher is started by the caller."""
+    if settings.torch_threads:
+        import torch
+        torch.set_num_threads(settings.torch_threads)  # process-wide: the forward thread inherits it
     tower = load_tower(settings.model, settings.resolved_tower_impl, device=settings.device,
                        dtype=settings.torch_dtype_name)
     fingerprint = weights_fingerprint(settings.model)

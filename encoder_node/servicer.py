@@ -332,8 +332,11 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                     loop.run_in_executor(model.preprocess_pool, self._timed_prepare, pre, i, images[i], lo, hi)
                     for i in indices
                 ))
-            record_span(self.tracing.tracer, span, "encdis.encoder.preprocess", t_pre, time.time_ns(),
-                        **{"encdis.images": len(done)})
+            pre_span = record_span(self.tracing.tracer, span, "encdis.encoder.preprocess", t_pre, time.time_ns(),
+                                   **{"encdis.images": len(done)})
+            for p in done:  # the rest of each image's preprocessing is the image processor's
+                record_span(self.tracing.tracer, pre_span, "encdis.encoder.decode", *p.decode_ns,
+                            **{"encdis.image_index": p.index})
             for p in done:
                 prepared[p.index] = p
                 futures[p.index] = model.batcher.submit(p, accepted_at)

@@ -54,6 +54,10 @@ class EncoderSettings:
     # coordinator's call sent before its health watch saw the drain is served, not refused.
     drain_accept_seconds: float = 1.0
     preprocess_workers: int = 2  # threads decoding and resizing images
+    # CPU threads of the tower's forward (torch intra-op); 0: torch's default (the cores). In
+    # bf16 a reduction's rounding depends on how it is split across threads, so an encoder equal
+    # bit for bit to vLLM's CPU worker runs that worker's thread count.
+    torch_threads: int = 0
     image_loader: str = "vllm"  # how a decoded image becomes RGB: vLLM's serving rules or transformers'
     # Exposure: TLS (mTLS with a client CA) and API keys on the gRPC port (encdis/tls.py, encdis/auth.py).
     tls_cert: Path | None = None
@@ -83,6 +87,8 @@ class EncoderSettings:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.cache_bytes < -1:
             raise ValueError(f"--cache-bytes must be >= 0, or -1 for the default, got {self.cache_bytes}")
+        if self.torch_threads < 0:
+            raise ValueError(f"--torch-threads must be >= 0 (0: torch's default), got {self.torch_threads}")
         if self.drain_accept_seconds < 0:
             raise ValueError(f"--drain-accept-seconds must be >= 0, got {self.drain_accept_seconds}")
         if self.min_pixels < 0 or self.max_pixels < 0:
@@ -139,6 +145,8 @@ _HELP = {
     "drain_grace_seconds": "on SIGTERM, how long in-flight calls may take to finish",
     "drain_accept_seconds": "on SIGTERM, how long new calls are still accepted after health turns NOT_SERVING",
     "preprocess_workers": "threads decoding and resizing images",
+    "torch_threads": "CPU threads of the tower's forward pass (0: torch's default, one per core); on CPU in "
+                     "bfloat16, the LLM engine worker's thread count gives embeddings bit-equal to vllm serve's",
     "tower_impl": "vision tower implementation: vllm (vLLM's own layers, as vllm serve runs them; needs vLLM "
                   "installed), transformers, or auto (vllm below float32, where the two round differently; "
                   "transformers in float32)",

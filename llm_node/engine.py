@@ -203,6 +203,13 @@ def prepare_environment(settings: LLMSettings, kwargs: dict[str, Any]) -> None:
                                                                 for i in range(settings.tp))
 
 
+def cpu_worker_threads() -> int:
+    """The OpenMP threads vLLM's CPU worker runs at TP 1: the usable cores less the one it reserves
+    for the engine's scheduler process (vllm/utils/ompmultiprocessing.py). An encoder on the same
+    kind of host runs this many (`--torch-threads`) for bf16 embeddings bit-equal to the engine's."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
 def embeds_mm_data(images: Sequence[ImageEmbedding]) -> tuple[dict[str, Any], dict[str, list[str]]]:
     """multi_modal_data and multi_modal_uuids for images in prompt order.
 

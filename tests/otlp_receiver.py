@@ -26,6 +26,8 @@ class ReceivedSpan:
     span_id: str
     parent_span_id: str  # "" for a root span
     attributes: dict
+    start_ns: int = 0  # unix nanoseconds
+    end_ns: int = 0
 
 
 def _value(v) -> object:
@@ -44,7 +46,8 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
             for ss in rs.scope_spans:
                 for s in ss.spans:
                     spans.append(ReceivedSpan(service, s.name, s.trace_id.hex(), s.span_id.hex(),
-                                              s.parent_span_id.hex(), {a.key: _value(a.value) for a in s.attributes}))
+                                              s.parent_span_id.hex(), {a.key: _value(a.value) for a in s.attributes},
+                                              s.start_time_unix_nano, s.end_time_unix_nano))
         with self.receiver._lock:
             self.receiver._spans.extend(spans)
         return trace_service_pb2.ExportTraceServiceResponse()

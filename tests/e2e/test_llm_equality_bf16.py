@@ -24,6 +24,7 @@ from PIL import Image
 from encdis.client import GenerateClient
 from encdis.launcher import NodeProcess, start_node
 from encdis.llm_node.demo import synthetic_photo
+from encdis.llm_node.engine import cpu_worker_threads
 from encdis.llm_node.reference import Case
 from tests.e2e.conftest import encoder_processes, reference_tokens
 
@@ -60,7 +61,9 @@ def monolithic_bf16(request: pytest.FixtureRequest, tiny_ckpt: Path, bf16_cases:
 
 @pytest.fixture(scope="module")
 def bf16_encoders(tiny_ckpt: Path) -> Iterator[list[NodeProcess]]:
-    with encoder_processes(tiny_ckpt, "--dtype", "bfloat16") as nodes:
+    # bf16 reductions round by how they are split across threads: the encoders run the engine
+    # worker's count (with 2 threads against the worker's 1 the 224x224 image's embedding differs).
+    with encoder_processes(tiny_ckpt, "--dtype", "bfloat16", "--torch-threads", str(cpu_worker_threads())) as nodes:
         yield nodes
 
 
@@ -81,12 +84,7 @@ def generate_ids(address: str, case: Case) -> list[int]:
     return result.token_ids
 
 
-# one_image: the encoder's bf16 tower output for this 224x224 image differs from the engine's when
-# the encoder runs 2 CPU threads and the engine's worker 1 (bit-equal at 1 and 4 threads): bf16
-# reductions round by thread split. Until encoders match the engine's thread count, it diverges.
-@pytest.mark.parametrize("name", [pytest.param("one_image", marks=pytest.mark.xfail(
-    reason="bf16 tower output depends on the CPU thread count (encoder 2, engine worker 1)", strict=False)),
-    "text_only", "mixed_three"])
+@pytest.mark.parametrize("name", ["one_image", "text_only", "mixed_three"])
 def test_bf16_equals_monolithic_bf16(name, monolithic_bf16, bf16_llm_node, bf16_cases) -> None:
     ids = generate_ids(bf16_llm_node.address, bf16_cases[name])
     assert len(ids) == MAX_TOKENS

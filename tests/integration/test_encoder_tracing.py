@@ -52,13 +52,20 @@ async def test_encode_spans_join_the_callers_trace(traced_node, receiver) -> Non
     assert len(out) == 2
 
     def complete(spans) -> bool:
-        return sum(s.trace_id == trace_id for s in spans) >= 8  # Encode, preprocess, 2 x (queue, forward, send)
+        # Encode, preprocess, 2 x (decode, queue, forward, send)
+        return sum(s.trace_id == trace_id for s in spans) >= 10
 
     spans = [s for s in receiver.wait_for(complete, timeout=60) if s.trace_id == trace_id]
     [encode] = [s for s in spans if s.name == "encdis.encoder.Encode"]
     assert encode.service == "encdis-encoder" and encode.parent_span_id == parent_id
     assert encode.attributes["encdis.images"] == 2 and encode.attributes["rpc.grpc.status_code"] == "OK"
-    children = [s for s in spans if s is not encode]
+    [preprocess] = [s for s in spans if s.name == "encdis.encoder.preprocess"]
+    # Each image's decoding (bytes to pixels), within the call's preprocessing.
+    decodes = [s for s in spans if s.name == "encdis.encoder.decode"]
+    assert sorted(s.attributes["encdis.image_index"] for s in decodes) == [0, 1]
+    assert all(s.parent_span_id == preprocess.span_id for s in decodes)
+    assert all(preprocess.start_ns <= s.start_ns <= s.end_ns <= preprocess.end_ns for s in decodes)
+    children = [s for s in spans if s is not encode and s not in decodes]
     assert all(s.parent_span_id == encode.span_id for s in children)
     names = sorted(s.name for s in children)
     steps = [f"encdis.encoder.{n}" for n in ("queue", "forward", "send")]
