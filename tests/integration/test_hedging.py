@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import signal
 
@@ -44,12 +45,27 @@ def cancelled_calls(node: NodeProcess) -> float:
     return 0.0
 
 
+def frozen_first(nodes: list[NodeProcess], statuses, patches: int) -> tuple[NodeProcess, NodeProcess]:
+    """(the node predicted to finish an image of `patches` first, the other one)."""
+    by_address = {s.address: s for s in statuses}
+
+    def predicted_finish(node: NodeProcess) -> float:
+        s = by_address[node.address]
+        return s.backlog_seconds + patches / s.patches_per_second if s.patches_per_second > 0 else math.inf
+
+    first = min(nodes, key=predicted_finish)
+    return first, next(n for n in nodes if n is not first)
+
+
+def assigned_images(coord, node: NodeProcess) -> int:
+    return next(s.assigned_images for s in coord.encoders() if s.address == node.address)
+
+
 async def test_images_on_a_frozen_encoder_complete_from_the_other_and_the_straggler_is_cancelled(
         two, tiny_ckpt) -> None:
-    victim, other = two
-    # Load reports off: the warm-up's jitter on this shared machine must not make the victim look
-    # late (lateness counts only with reports), so idle encoders tie and each gets an image.
-    async with coordinator(tiny_ckpt, [victim.address, other.address], hedge="on", hedge_budget=BUDGET,
+    # Load reports off: the warm-up's jitter on this shared machine must not make an encoder look
+    # late (lateness counts only with reports).
+    async with coordinator(tiny_ckpt, [n.address for n in two], hedge="on", hedge_budget=BUDGET,
                            load_reports="off", attempt_timeout_floor_seconds=FLOOR,
                            encode_timeout_seconds=FLOOR) as coord:
         await wait_for(lambda: len(coord.pool.serving()) == 2, what="both encoders serving")
@@ -59,16 +75,21 @@ async def test_images_on_a_frozen_encoder_complete_from_the_other_and_the_stragg
         # slow by the hedge that beat it: both must be back before the freeze.
         await wait_for(lambda: len(coord.pool.serving()) == 2, what="both encoders serving after the warm-up")
         images = [[png(180, 180 + 14 * i, seed=1000 + i), png(190 + 14 * i, 180, seed=1100 + i)] for i in range(4)]
+        # Freeze the encoder the coordinator predicts to finish the largest image first: it gets
+        # that image whatever speeds the warm-up measured on this shared machine.
+        largest = max(t * h * w for t, h, w in coord.image_grids(sum(images, [])))
+        victim, other = frozen_first(two, coord.encoders(), patches=largest)
+        assigned_before = assigned_images(coord, victim)
         os.kill(victim.pid, signal.SIGSTOP)
         try:
-            # At once: the other encoder's backlog grows past anything the victim's history
-            # holds against it, so the victim gets images; they wait, and are hedged once the
-            # other's predicted finish is below the time they have waited.
+            # At once: the victim's images wait, and are hedged once the other's predicted finish
+            # is below the time they have waited.
             results = await asyncio.gather(*(coord.encode(request) for request in images))
         finally:
             os.kill(victim.pid, signal.SIGCONT)
         r = coord.registry
-        assert metric(r, "encdis_coordinator_hedges_total", event="sent") >= 1
+        assert assigned_images(coord, victim) > assigned_before, "the frozen encoder got no image"
+        assert metric(r, "encdis_coordinator_hedges_total", event="sent") >= 1, coord.encoders()
         assert metric(r, "encdis_coordinator_hedges_total", event="won") >= 1
         assert metric(r, "encdis_coordinator_hedges_total", event="cancelled") >= 1
         # The hedges that beat the victim marked it slow, as its attempt bound would have.
