@@ -1,30 +1,58 @@
 """Fleet simulation: K LLM nodes' coordinators sharing E encoders, by what each coordinator sees.
 
 Part 1 of the fleet benchmark (part 2, real processes on loopback, is not written yet). A
-discrete-event simulation driving the REAL policy code: `assignment.assign` and `Backlog`,
-one online `CostModel` per (coordinator, encoder), and `load_reports.predicted_backlog` for the
-reports. The world is bench/balance_workloads.py's (heavy-tailed sizes, true cost, noise,
-stalls); requests arrive as one Poisson stream at `load` x the pool's capacity and go to the
-K coordinators in turn. Encoders are FIFO with batches under a patch budget.
+discrete-event simulation driving the REAL policy code: `assignment.assign` (with its `Spread`)
+and `Backlog`, one online `CostModel` per (coordinator, encoder), `load_reports.predicted_backlog`,
+`Lateness` and `UnseenWork` for the reports, `hedging.worth_hedging`, `HedgeBudget` and
+`PredictionErrors`. The world is bench/balance_workloads.py's (heavy-tailed sizes, true cost,
+noise, stalls); requests arrive as one Poisson stream at `load` x the pool's capacity and go to
+the K coordinators in turn. Encoders are FIFO with batches under a patch budget.
 
 Policies (the same arrivals, sizes and noise for each):
     round_robin  each coordinator rotates over the encoders on its own
     own_view     today's encdis: backlog = the coordinator's own outstanding work
-    shared       ORCA reports, `delay` old: predicted_backlog(report aged, own work since, own view)
+    shared       ORCA reports made `delay` ago (drain, busy fraction): as EncoderPool does, the
+                 predicted backlog (report aged, own work since, own view, lateness learned from
+                 late arrivals) plus the others' unseen work, and images spread by its sum
     shared_hedge shared, plus hedging: an image past its predicted finish by the p95 of past
-                 errors is re-checked every 0.25 s and copied to an encoder predicted to finish
-                 it in less than the time waited, within a 5% patch budget; the first copy to
-                 finish wins, a copy not started is dropped from its queue
+                 errors is looked at then and every 0.25 s after (Hedger.next_check) and copied
+                 to an encoder predicted to finish it in less than the time waited, within a 5%
+                 patch budget; the first copy to finish wins, a copy not started is dropped
     oracle       every encoder's exact queue now, priced with its true coefficients
 
 Pool: E encoders, one of them half speed. Freeze cells: that encoder stops for 2 s every 20 s
 (a GC pause, a noisy neighbour; it sends no reports meanwhile), where hedging must earn its
 keep; they run 25 s of arrivals (two freezes), at 5 ms report delay and load 0.85 only, K 1
-and 8 (their runs are long).
-
-p99 of encode latency (arrival to last image ready) in units of the mean image's cost.
+and 8 (their runs are long). p99 of encode latency (arrival to last image ready) in units of
+the mean image's cost (18 ms; a 4K image alone costs 11 on a full-speed encoder).
 
     python bench/fleet.py [--quick] [--json FILE] [--requests N]
+
+Measured (`python bench/fleet.py --json /tmp/fleet_sim.json`, 6000 requests a cell, seed 7;
+load 0.85; "before": the previous policy code and simulation, same seed):
+
+    cell              shared  +hedge  oracle  sh/or | before: shared  +hedge  sh/or
+    E=4 K=8  5 ms       18.5    18.3    17.4   1.06 |           18.6    19.8   1.07
+    E=8 K=8  5 ms       14.9    15.2    12.6   1.18 |           16.9    15.7   1.33
+    E=8 K=8  0 ms       12.5    13.1    12.6   0.99 |           12.6    12.9   1.00
+    E=8 K=8 50 ms       22.2    19.4    12.6   1.75 |           29.6    28.8   2.34
+    E=4 K=8 50 ms       25.6    28.0    17.4   1.47 |           27.4    25.5   1.57
+    E=8 K=4  5 ms       14.6    15.5    12.6   1.15 |           16.0    15.7   1.27
+    E=8 K=1  5 ms       13.0    13.4    12.6   1.03 |           12.7    13.3   1.00
+    freeze E=4 K=8   88.7 -> 26.9 hedged: 3.30x, 3.4% extra | before 86.1 -> 36.1: 2.38x, 3.8%
+    freeze E=8 K=8   20.7 -> 15.1 hedged: 1.37x, 3.6% extra | before 28.1 -> 16.5: 1.71x, 4.1%
+
+Why E=8 K=8 missed: the tail was images sent, within the report delay, to the encoder where
+another coordinator had just put a 4K image (~0.3 mean costs of delay, ~1.7 requests arrive
+fleet-wide: all saw the same encoder as least loaded). Most of the gain came from applying the
+pool's lateness here as the real pool does (the previous simulation left it out): with it alone
+the previous policy gives 15.4 (1.22x) at seed 7, and over seeds 1-8 16.0 against the new 15.97
+(oracle 14.0; before 17.5: means over seeds 1-8). The others' unseen work (busy fraction less our rate, times the
+report's staleness) and the spread of images by it gain 6-12% (seeds 1-3, 7) at E=4 K=8 5 ms
+and E=8 K=8 50 ms, within 5% either way elsewhere. Frozen encoder at E=8: hedged, p99 is
+already the pool's own without a freeze (15.2); 2x would need 10.4, below the oracle's 12.6
+with no freeze at all (1% of requests are 4K). Lateness also moves work off the frozen encoder
+unhedged, which is why that baseline fell from 28.1 to 20.7.
 """
 
 from __future__ import annotations
@@ -49,10 +77,10 @@ from balance_workloads import (
     true_cost,
 )
 
-from encdis.llm_node.coordinator.assignment import Backlog, EncoderLoad, assign
+from encdis.llm_node.coordinator.assignment import Backlog, EncoderLoad, Spread, assign
 from encdis.llm_node.coordinator.cost_model import CostModel
-from encdis.llm_node.coordinator.hedging import HedgeBudget, PredictionErrors
-from encdis.llm_node.coordinator.load_reports import LoadReport, predicted_backlog
+from encdis.llm_node.coordinator.hedging import PAST_DUE_SECONDS, HedgeBudget, PredictionErrors, worth_hedging
+from encdis.llm_node.coordinator.load_reports import Lateness, LoadReport, UnseenWork, predicted_backlog
 
 WORKLOAD = "heavy_tailed"
 BATCH_PATCH_BUDGET = 16384
@@ -63,6 +91,7 @@ FREEZE_EVERY, FREEZE_FOR, FIRST_FREEZE = 20.0, 2.0, 1.0
 FREEZE_SPAN = 25.0  # seconds of arrivals in a freeze cell: two freezes
 HEDGE_CHECK, HEDGE_BUDGET, HEDGE_FLOOR = 0.25, 0.05, 0.0
 REPORT_MAX_AGE = 1.0  # --load-report-max-age-seconds: older reports count for nothing
+BUSY_WINDOW = 0.1  # a report's utilization: busy fraction since the previous one (--load-report-interval-seconds)
 
 
 class Encoder:
@@ -73,6 +102,7 @@ class Encoder:
         self.busy_until = 0.0
         self.running: list = []
         self.history: list[tuple[float, float]] = [(0.0, 0.0)]  # (time, seconds of work left then)
+        self.batches: list[tuple[float, float]] = []  # (start, end) of each batch, in start order
 
     def work_left(self, now: float) -> float:
         """Predicted seconds until its queue drains (what it reports), at `now`."""
@@ -81,6 +111,15 @@ class Encoder:
 
     def record(self, now: float) -> None:
         self.history.append((now, self.work_left(now)))
+
+    def utilization_at(self, t: float) -> float:
+        """Busy fraction over the BUSY_WINDOW before t, as a report made at t says it."""
+        busy = 0.0
+        for start, end in reversed(self.batches):
+            if end <= t - BUSY_WINDOW:
+                break
+            busy += max(0.0, min(end, t) - max(start, t - BUSY_WINDOW))
+        return busy / BUSY_WINDOW
 
     def drain_at(self, t: float) -> float:
         """Its work left as a report made at time t says it."""
@@ -135,6 +174,11 @@ def simulate(k_nodes: int, speeds: list[float], load: float, policy: str, delay:
     rotation = list(range(k_nodes))
     errors = [PredictionErrors() for _ in range(k_nodes)]
     budgets = [HedgeBudget(HEDGE_BUDGET, 60.0) for _ in range(k_nodes)]
+    # What the real pool keeps per coordinator besides: lateness per encoder, the others' unseen
+    # work, and its own dice (seeded: a cell is the same run every time).
+    lateness = [[Lateness() for _ in speeds] for _ in range(k_nodes)]
+    unseen = [UnseenWork() for _ in range(k_nodes)]
+    dice = [random.Random(seed * 1000 + 17 + node) for node in range(k_nodes)]
     events: list = []
     seq = 0
     now = 0.0
@@ -171,8 +215,16 @@ def simulate(k_nodes: int, speeds: list[float], load: float, policy: str, delay:
             seconds *= noise.uniform(*STALL_RANGE)
         end = frozen_extension(t, seconds) if enc.freezes else t + seconds
         enc.busy_until, enc.running = end, batch
+        enc.batches.append((t, end))
         enc.record(t)
         push(end, "done", (e, batch, seconds))
+
+    def report_of(e: int, t: float) -> LoadReport:
+        made = t - delay
+        if encs[e].freezes:
+            made = min(made, last_report_before(made))
+        return LoadReport(0.0, 0.0, encs[e].drain_at(made), min(1.0, encs[e].utilization_at(made)),
+                          received_at=made + delay, made_at=made)
 
     def backlog_of(node: int, e: int, t: float) -> float:
         own = backlogs[node].seconds(e, models[node][e], t)
@@ -180,19 +232,18 @@ def simulate(k_nodes: int, speeds: list[float], load: float, policy: str, delay:
             return own
         if policy == "oracle":
             return encs[e].work_left(t)
-        made = t - delay
-        if encs[e].freezes:
-            made = min(made, last_report_before(made))
-        report = LoadReport(0.0, 0.0, encs[e].drain_at(made), 0.0, received_at=made + delay)
+        report = report_of(e, t)
         # What the report cannot hold yet: our images sent after it was made.
-        after = backlogs[node].outstanding_since(e, made)
-        return predicted_backlog(report, own, after, models[node][e], t, REPORT_MAX_AGE, 0.0)
+        after = backlogs[node].outstanding_since(e, report.made())
+        return predicted_backlog(report, own, after, models[node][e], t, REPORT_MAX_AGE,
+                                 lateness[node][e].seconds(t)) + unseen[node].seconds(e, report, t, REPORT_MAX_AGE)
 
     def send(node: int, img: int, e: int, t: float, hedge: bool) -> None:
         nonlocal sent_patches, hedged_patches
         st = images[img]
         n = st["patches"]
         ticket = backlogs[node].add(e, n, t)
+        unseen[node].sent(e, models[node][e].predict(n), t)
         st["copies"].append((e, ticket))
         encs[e].queue.append((img, n))
         encs[e].record(t)
@@ -226,14 +277,19 @@ def simulate(k_nodes: int, speeds: list[float], load: float, policy: str, delay:
                 shift = rotation[node] % e_count  # ties rotate, as the dispatcher does
                 rotation[node] += 1
                 order = loads[shift:] + loads[:shift]
-                chosen = [order[c].key for c in assign(sizes, order)]
+                spread = None
+                if policy.startswith("shared"):  # as pool.spread: the others' work no report holds yet
+                    spread = Spread(sum(unseen[node].seconds(e, report_of(e, now), now, REPORT_MAX_AGE)
+                                        for e in range(e_count)), dice[node])
+                chosen = [order[c].key for c in assign(sizes, order, spread)]
                 for img, e in zip(ids, chosen, strict=True):
                     images[img]["predicted"] = loads[e].backlog_seconds + mods[e].predict(images[img]["patches"])
             for img, e in zip(ids, chosen, strict=True):
                 send(node, img, e, now, hedge=False)
                 if policy == "shared_hedge":
+                    # As Hedger.next_check: looked at once past its predicted finish by the margin.
                     margin = errors[node].margin(HEDGE_FLOOR)
-                    push(now + images[img]["predicted"] + margin, "check", img)
+                    push(now + images[img]["predicted"] + margin + PAST_DUE_SECONDS, "check", img)
         elif kind == "check":
             st = images[payload]
             if st["done"] or len(st["copies"]) > 1:
@@ -247,10 +303,12 @@ def simulate(k_nodes: int, speeds: list[float], load: float, policy: str, delay:
                     f = backlog_of(node, e, now) + models[node][e].predict(n)
                     if best is None or f < best:
                         best, best_e = f, e
-            if best is not None and best < waited and budgets[node].allows(n, now):
+            margin = errors[node].margin(HEDGE_FLOOR)
+            if worth_hedging(waited, st["predicted"], margin, best) and budgets[node].allows(n, now):
                 send(node, payload, best_e, now, hedge=True)
-            else:
-                push(now + HEDGE_CHECK, "check", payload)
+            else:  # Hedger.next_check: when it is past due by the margin as it is now, or the interval
+                due = st["sent"] + st["predicted"] + margin + PAST_DUE_SECONDS
+                push(min(now + HEDGE_CHECK, due) if due > now else now + HEDGE_CHECK, "check", payload)
         else:
             e, batch, seconds = payload
             enc = encs[e]
@@ -267,6 +325,9 @@ def simulate(k_nodes: int, speeds: list[float], load: float, policy: str, delay:
                 for _, ticket in st["copies"]:
                     backlogs[node].complete(ticket, now)
                 errors[node].observe(now - st["sent"] - st["predicted"])
+                # pool.observe_finish: the encoder that delivered it, or the straggler a hedge beat
+                # (at least this late), as the dispatcher and the hedger report them.
+                lateness[node][st["copies"][0][0]].observe(now - st["sent"] - st["predicted"], now)
                 r = st["r"]
                 left[r] -= 1
                 if left[r] == 0:

@@ -38,7 +38,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
-from .assignment import EncoderLoad, assign
+from .assignment import EncoderLoad, Spread, assign
 
 if TYPE_CHECKING:
     from .handle import EncoderHandle
@@ -162,10 +162,11 @@ class Affinity:
             h.description is not None and h.description.cache_bytes > 0 for h in handles)
 
     def assign(self, image_patches: Sequence[int], digests: Sequence[str], loads: Sequence[EncoderLoad],
-               applies: bool = True) -> list[int]:
-        """affinity_assign when it applies, else assignment.assign unchanged."""
+               applies: bool = True, spread: Spread | None = None) -> list[int]:
+        """affinity_assign when it applies (its rendezvous ranks already differ per digest), else
+        assignment.assign unchanged, with `spread`."""
         if not applies:
-            return assign(image_patches, loads)
+            return assign(image_patches, loads, spread)
         for n in image_patches:
             cost = loads[0].model.predict(n)
             self.mean_cost = cost if self.mean_cost is None else self.mean_cost + MEAN_COST_RATE * (

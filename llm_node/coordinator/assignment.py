@@ -6,7 +6,8 @@ those loads are read from.
 
 API (stable):
     EncoderLoad(key, backlog_seconds, model)       one encoder as the policy sees it
-    assign(image_patches, encoders) -> list[int]   encoder index per image, in image order
+    assign(image_patches, encoders, spread=None)   encoder index per image, in image order
+    Spread(unseen_seconds, rng)                    work no report shows yet, spread over (below)
     Backlog()                                       outstanding images per encoder
         .add(key, patches, now) -> int              a ticket, when an image is sent
         .complete(ticket, now)                      when its embedding arrived (or it failed)
@@ -42,6 +43,17 @@ one-shot makespan 1.00-1.02x the lower bound on heavy-tailed batches where vLLM'
 Both are greedy heuristics, so per request ours can lose a little (tests: never by more than 5%
 in predicted makespan, and it wins more than 3x as often as it loses).
 
+Stale reports (several coordinators, load_reports.py). Every coordinator reads the same
+reports, a transit time old, so within that time they all see the same encoder as the earliest
+finish and all send to it: one 4K image sent there by one of them makes the images the others
+send there in the next milliseconds wait out its whole forward. With a `Spread`, an image goes
+where the others' unseen work is predicted NOT to have gone (Dahlin's "interpreting stale load
+information"): the unseen seconds are water-filled onto the earliest finishes up to a common
+level, as the others' greedy choices would fill them, and the image picks encoder e with
+probability (level - finish(e)) / unseen, e's expected share of that work. Coordinators doing
+the same then fill the encoders evenly instead of piling onto one. With no unseen work (one
+coordinator, fresh reports) it is the plain earliest finish.
+
 Using it (the coordinator): loads = backlog.loads(models, now); chosen = assign(patches, loads);
 send image i to loads[chosen[i]].key with ticket = backlog.add(key, patches[i], now); on its
 embedding (or failure) backlog.complete(ticket, now) and model.observe(batch patches, seconds)
@@ -52,6 +64,7 @@ rotate the order of `models` between requests if work should spread over idle en
 from __future__ import annotations
 
 import itertools
+import random
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -68,8 +81,39 @@ class EncoderLoad:
     model: CostModel
 
 
-def assign(image_patches: Sequence[int], encoders: Sequence[EncoderLoad]) -> list[int]:
-    """Index into `encoders` for each image of one request (in the input order of the images)."""
+@dataclass(frozen=True)
+class Spread:
+    """Predicted seconds of work other coordinators sent that no report shows yet, and the dice
+    that spread this coordinator's images as that work is expected to have spread (module docstring)."""
+
+    unseen_seconds: float
+    rng: random.Random
+
+
+def interpreted_choice(finishes: Sequence[float], unseen: float, rng: random.Random) -> int:
+    """Index of the encoder for one image: water-fill `unseen` seconds onto the earliest
+    `finishes`, then draw e with probability (level - finishes[e]) / unseen."""
+    order = sorted(range(len(finishes)), key=lambda e: finishes[e])
+    if unseen <= 0:
+        return order[0]
+    level, rest, filled = finishes[order[0]], unseen, 1
+    while filled < len(order) and (finishes[order[filled]] - level) * filled < rest:
+        rest -= (finishes[order[filled]] - level) * filled
+        level = finishes[order[filled]]
+        filled += 1
+    level += rest / filled
+    draw = rng.random() * unseen
+    for e in order[:filled]:
+        draw -= level - finishes[e]
+        if draw < 0:
+            return e
+    return order[filled - 1]  # rounding
+
+
+def assign(image_patches: Sequence[int], encoders: Sequence[EncoderLoad], spread: Spread | None = None) -> list[int]:
+    """Index into `encoders` for each image of one request (in the input order of the images).
+
+    `spread`: other coordinators' work no report shows yet; None or 0 s: the earliest finish."""
     if not image_patches:
         return []
     if not encoders:
@@ -92,7 +136,11 @@ def assign(image_patches: Sequence[int], encoders: Sequence[EncoderLoad]) -> lis
     result = [0] * len(image_patches)
     for i in order:
         n = image_patches[i]
-        best = min(range(len(encoders)), key=lambda e: finish(e, n))
+        if spread is not None and spread.unseen_seconds > 0:
+            best = interpreted_choice([finish(e, n)[0] for e in range(len(encoders))], spread.unseen_seconds,
+                                      spread.rng)
+        else:
+            best = min(range(len(encoders)), key=lambda e: finish(e, n))
         result[i] = best
         count[best] += 1
         given[best] += n

@@ -171,7 +171,8 @@ class Dispatcher:
               order: list[PendingImage]) -> list[tuple[EncoderHandle, list[PendingImage]]]:
         """(encoder, images) per Encode call: the policy's choice, split by each encoder's image limit."""
         picks = self.affinity.assign([j.patches for j in order], [j.digest for j in order],
-                                     self.pool.loads(candidates), self.affinity.applies(candidates))
+                                     self.pool.loads(candidates), self.affinity.applies(candidates),
+                                     self.pool.spread(candidates))
         groups: dict[int, list[PendingImage]] = {}
         for job, k in zip(order, picks, strict=True):
             groups.setdefault(k, []).append(job)

@@ -1,8 +1,11 @@
 """Hedging: when to send a straggling call's images a second time, and how much extra work that may cost.
 
-Role: dispatch.py runs each Encode call under `Dispatcher._attempt`, which re-checks the call
-every `hedge_check_seconds` while it waits. A second attempt (one call, to the encoder with
-the earliest predicted finish for the images still missing) goes out when all hold:
+Role: dispatch.py runs each Encode call under `Dispatcher._attempt`, which checks the call the
+moment it passes the predicted finish of its first missing image by the margin, and again every
+`hedge_check_seconds` while it waits (looking only at the next tick would add up to a whole
+interval, more than most forwards take, to every hedged image). A second attempt (one call, to
+the encoder with the earliest predicted finish for the images still missing) goes out when all
+hold:
 
 - the call has run past the predicted finish of its first missing image by the margin: the
   p95 of recent prediction errors (arrival minus predicted finish), at least a floor;
@@ -50,6 +53,10 @@ log = logging.getLogger(__name__)
 ERRORS_KEPT = 256
 # The margin needs this many errors before the p95 counts; until then the floor alone.
 MIN_ERRORS = 8
+# A call is looked at this long after it passes its predicted finish by the margin.
+PAST_DUE_SECONDS = 0.001
+# A call not sent yet is looked at again this soon, to learn its predicted finishes.
+NOT_SENT_SECONDS = 0.01
 
 
 class PredictionErrors:
@@ -154,8 +161,9 @@ class Hedger:
         failure = None
         try:
             while running:
-                finished, _ = await asyncio.wait(running, timeout=self.settings.hedge_check_seconds,
-                                                 return_when=asyncio.FIRST_COMPLETED)
+                timeout = self.next_check(progress, time.monotonic()) if hedge is None else \
+                    self.settings.hedge_check_seconds
+                finished, _ = await asyncio.wait(running, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 running -= finished
                 for task in finished:
                     outcome = task.result()  # a fatal error (a bad image) propagates
@@ -196,6 +204,19 @@ class Hedger:
                 await asyncio.gather(*running, return_exceptions=True)
             if hedge_handle is not None:
                 self.pool.release(hedge_handle)
+
+    def next_check(self, progress: CallProgress, now: float) -> float:
+        """Seconds until the next look at a waiting call: when its first missing image passes its
+        predicted finish by the margin (a millisecond after, so that it has), else the interval."""
+        interval = self.settings.hedge_check_seconds
+        if not progress.finishes:  # not sent yet: its predictions come with the send, in a moment
+            return min(interval, NOT_SENT_SECONDS)
+        missing = [pos for pos in range(len(progress.finishes)) if pos not in progress.delivered]
+        if not missing:
+            return interval
+        margin = self.errors.margin(self.settings.hedge_min_margin_seconds)
+        due = progress.sent_at + progress.finishes[missing[0]] + margin - now
+        return min(interval, due + PAST_DUE_SECONDS) if due > 0 else interval
 
     def outpaced(self, h: EncoderHandle, winner: EncoderHandle, progress: CallProgress, missed: int) -> None:
         """The hedge on `winner` delivered what the call to `h` had not: `h` is slow, as if its

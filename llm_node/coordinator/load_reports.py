@@ -21,6 +21,15 @@ report, and `predicted_backlog` turns it into the seconds of work ahead of a new
 
 A report older than `max_age` counts for nothing: the coordinator falls back to its own view
 (a hung report stream ages out; no request ever waits for a report).
+
+What no report shows yet is the other coordinators' work sent since it was made. `UnseenWork`
+estimates it per encoder: its busy fraction is the rate of work it gets (what is done is what
+arrives, in the long run), less our own rate to it it is the others'; times the report's
+staleness it is their work still invisible, which the pool adds to the backlog (where the
+others have been sending, they likely sent). Their sum is where the others' greedy choices
+may have herded on the same stale reports: assignment.Spread spreads our images as that work
+is expected to have spread, rather than every coordinator piling onto the one encoder the
+reports show least loaded.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -47,6 +56,11 @@ STREAM_METHOD = "/xds.service.orca.v3.OpenRcaService/StreamCoreMetrics"
 RECONNECT_SECONDS = 0.5
 # Lateness is forgotten with this half-life: an encoder that ran late once is not shunned forever.
 LATENESS_HALF_LIFE_SECONDS = 10.0
+# Our own rate of work is averaged over about this long (an exponentially decaying sum).
+OWN_RATE_WINDOW_SECONDS = 1.0
+# Our own work is priced by our cost models, which err by some percent (noise, stalls): busy time
+# up to this multiple of our own predicted rate is taken for ours, not for other coordinators'.
+OWN_RATE_ERROR = 1.25
 
 
 @dataclass(frozen=True)
@@ -58,9 +72,16 @@ class LoadReport:
     drain_seconds: float
     utilization: float
     received_at: float  # time.monotonic() here
+    # When the encoder made it, on our clock, where known; else its arrival (the transit is unknown).
+    made_at: float | None = None
 
     def age(self, now: float) -> float:
-        return max(0.0, now - self.received_at)
+        """Seconds since the encoder made it (since it arrived, where that is all we know)."""
+        return max(0.0, now - (self.received_at if self.made_at is None else self.made_at))
+
+    def made(self) -> float:
+        """When it was made: our own work sent after that is not in it."""
+        return self.received_at if self.made_at is None else self.made_at
 
 
 def parse_report(message, received_at: float) -> LoadReport:  # message: OrcaLoadReport
@@ -101,7 +122,8 @@ def predicted_backlog(report: LoadReport | None, own_view: float, own_after: Seq
                       now: float, max_age: float, lateness: float) -> float:
     """Seconds of work ahead of a new image on one encoder (module docstring).
 
-    `own_after`: patch counts of our images sent to it after the report arrived."""
+    `own_after`: patch counts of our images sent to it after the report was made (arrived,
+    where its making is unknown): those it cannot hold yet."""
     backlog = own_view
     if report is not None and report.age(now) <= max_age:
         drain = report.drain_seconds
@@ -110,6 +132,35 @@ def predicted_backlog(report: LoadReport | None, own_view: float, own_after: Seq
         reported = max(0.0, drain - report.age(now)) + sum(model.predict(n) for n in own_after)
         backlog = max(backlog, reported)
     return backlog + lateness
+
+
+class UnseenWork:
+    """Seconds of work the other coordinators sent each encoder that its report holds not yet
+    (module docstring): per encoder, its busy fraction less our own rate of work to it."""
+
+    def __init__(self, window: float = OWN_RATE_WINDOW_SECONDS) -> None:
+        self.window = window
+        self._sums: dict[Hashable, tuple[float, float]] = {}  # key -> (decaying sum of our seconds, when)
+
+    def sent(self, key: Hashable, seconds: float, now: float) -> None:
+        """We sent encoder `key` an image predicted to take `seconds` of its forward."""
+        total, at = self._sums.get(key, (0.0, now))
+        self._sums[key] = (total * math.exp(-max(0.0, now - at) / self.window) + seconds, now)
+
+    def own_rate(self, key: Hashable, now: float) -> float:
+        """Our recent seconds of work sent to `key` per second."""
+        total, at = self._sums.get(key, (0.0, now))
+        return total * math.exp(-max(0.0, now - at) / self.window) / self.window
+
+    def forget(self, key: Hashable) -> None:
+        self._sums.pop(key, None)
+
+    def seconds(self, key: Hashable, report: LoadReport | None, now: float, max_age: float) -> float:
+        """The others' rate to `key` (its busy fraction less OWN_RATE_ERROR times ours) times its
+        report's staleness; 0 without a fresh report."""
+        if report is None or report.age(now) > max_age:
+            return 0.0
+        return max(0.0, report.utilization - OWN_RATE_ERROR * self.own_rate(key, now)) * report.age(now)
 
 
 class ReportWatcher:

@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from .assignment import Backlog, EncoderLoad
+from .assignment import Backlog, EncoderLoad, Spread
 from .discovery import Resolver, is_ip_literal, join_host_port, split_host_port
 from .handle import EncoderHandle, EncoderState
 from .health import HealthWatcher
 from .identity import ModelIdentity, refusal_reason
-from .load_reports import ReportWatcher, predicted_backlog
+from .load_reports import ReportWatcher, UnseenWork, predicted_backlog
 from .penalty import BackoffSchedule, FaultRecord, Penalty
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,8 @@ class EncoderPool:
         self._handles: dict[str, EncoderHandle] = {}
         # Outstanding work per encoder address (decays while work is in flight).
         self._backlog = Backlog()
+        self._unseen = UnseenWork()  # the other coordinators' work no report shows yet
+        self._spread_random = random.Random()  # each coordinator's own draws: no two herd alike
         self._changed = asyncio.Event()
         self._refresh_task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
@@ -152,7 +155,9 @@ class EncoderPool:
         """An image was sent to `h`; returns the ticket to `complete_work` with."""
         h.assigned_patches += patches
         h.assigned_images += 1
-        return self._backlog.add(h.address, patches, time.monotonic())
+        now = time.monotonic()
+        self._unseen.sent(h.address, h.cost_model.predict(patches), now)
+        return self._backlog.add(h.address, patches, now)
 
     def complete_work(self, ticket: int) -> None:
         """That image arrived, or its call failed: it no longer loads its encoder."""
@@ -162,15 +167,27 @@ class EncoderPool:
         """Predicted seconds of work queued on `h`, plus what a recent RESOURCE_EXHAUSTED adds.
 
         With load reports: what its last fresh report says, with our own work since, and never
-        less than our own view; plus its measured lateness (load_reports.predicted_backlog)."""
+        less than our own view; plus its measured lateness (load_reports.predicted_backlog), and
+        the work other coordinators sent it that the report cannot show yet (UnseenWork)."""
         now = time.monotonic()
         own = self._backlog.seconds(h.address, h.cost_model, now) + max(0.0, h.busy_until - now)
         if h.reports is None:
             return own
         report = h.reports.latest
-        after = self._backlog.outstanding_since(h.address, report.received_at) if report is not None else []
+        after = self._backlog.outstanding_since(h.address, report.made()) if report is not None else []
         return predicted_backlog(report, own, after, h.cost_model, now, self.report_max_age,
-                                 h.lateness.seconds(now))
+                                 h.lateness.seconds(now)) + self._unseen.seconds(h.address, report, now,
+                                                                                 self.report_max_age)
+
+    def spread(self, handles: Sequence[EncoderHandle]) -> Spread | None:
+        """The `spread` argument of assignment.assign: other coordinators' work that the reports of
+        `handles` cannot show yet (load_reports.UnseenWork); None with load reports off."""
+        if not self.load_reports:
+            return None
+        now = time.monotonic()
+        unseen = sum(self._unseen.seconds(h.address, h.reports.latest, now, self.report_max_age)
+                     for h in handles if h.reports is not None)
+        return Spread(unseen, self._spread_random)
 
     def observe_finish(self, h: EncoderHandle, predicted: float, actual: float) -> None:
         """An image sent to `h` arrived `actual` seconds after it was sent; `predicted` was its
@@ -328,6 +345,7 @@ class EncoderPool:
             return
         del self._handles[h.address]
         self._backlog.forget(h.address)
+        self._unseen.forget(h.address)
         for task in (h.watch_task, h.probe_task, h.reports.task if h.reports is not None else None):
             if task is not None:
                 await _cancel_and_wait(task)

@@ -31,3 +31,12 @@ def test_eight_coordinators_balance_better_on_shared_reports_than_on_their_own_v
            for policy in ("own_view", "shared", "oracle")}
     assert run["shared"]["p99"] * 1.3 < run["own_view"]["p99"]
     assert run["shared"]["p99"] <= 1.25 * run["oracle"]["p99"]
+
+
+def test_a_cell_is_the_same_run_for_the_same_seed() -> None:
+    # The coordinators' dice (assignment.Spread) are seeded from the cell's seed: reruns repeat.
+    pool = [1.0] * 7 + [0.5]
+    runs = [fleet.simulate(8, pool, 0.85, "shared_hedge", 0.005, 600, seed=5, freeze=False) for _ in range(2)]
+    assert runs[0] == runs[1]
+    other = fleet.simulate(8, pool, 0.85, "shared_hedge", 0.005, 600, seed=6, freeze=False)
+    assert other != runs[0]
