@@ -57,6 +57,8 @@ MIN_ERRORS = 8
 PAST_DUE_SECONDS = 0.001
 # A call not sent yet is looked at again this soon, to learn its predicted finishes.
 NOT_SENT_SECONDS = 0.01
+# A call whose images all arrived gets this long to end its stream before it is cancelled.
+STREAM_END_SECONDS = 0.05
 
 
 class PredictionErrors:
@@ -194,6 +196,13 @@ class Hedger:
                     self.pool.observe_finish(h, progress.finishes[missed[0]], time.monotonic() - progress.sent_at)
                 if primary in running and hedge_handle is not None:
                     self.outpaced(h, hedge_handle, progress, len(missed))
+            if hedge is None:
+                # Every image is here and no hedge was sent: the call's stream is ending on its
+                # own (its status follows the last embedding). A moment for that, rather than
+                # cancel a served call (the encoder would count it CANCELLED); past it, cancelled.
+                if running:
+                    _, running = await asyncio.wait(running, timeout=STREAM_END_SECONDS)
+                return None, False
             for _ in running:  # every image is here: the other attempt is cancelled below
                 self.metrics.hedges.labels("cancelled").inc()
             return None, False
