@@ -182,6 +182,23 @@ def make_tiny_checkpoint(out_dir: str | os.PathLike, *, seed: int = 0, shards: i
     return out
 
 
+def make_wide_checkpoint(out_dir: str | os.PathLike, hidden: int, *, intermediate: int | None = None,
+                         max_tokens: int = 256) -> Path:
+    """A tiny checkpoint whose embeddings are as wide as a real model's (3584: Qwen2.5-VL-7B, 8192: 72B).
+
+    One text layer of that width (heads of 128, as real ones), so what the LLM node spends on
+    an embedding is not hidden by its compute. `intermediate`: the MLP's width (default
+    2 x hidden; it sets compute, not embedding bytes). `max_tokens`: the largest image the
+    processor admits, in embedding rows (it also sizes vLLM's encoder cache).
+    """
+    return make_tiny_checkpoint(out_dir, text_overrides={
+        "hidden_size": hidden, "intermediate_size": intermediate or 2 * hidden, "num_hidden_layers": 1,
+        "num_attention_heads": hidden // 128, "num_key_value_heads": 2,
+        "max_position_embeddings": max(4096, 2 * max_tokens),  # room for the largest image and a prompt
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+    }, vision_overrides={"out_hidden_size": hidden}, max_pixels=28 * 28 * max_tokens)
+
+
 def _write_weights(model, out: Path, shards: int, save_file) -> None:
     """Visual tensors first (shard 1), language model after, so shards never mix the two."""
     for old in out.glob("model*.safetensors*"):

@@ -8,6 +8,7 @@ Where each role lives:
     media.py        image bytes from an OpenAI image_url (data: URIs, allowed http(s) hosts)
     admission.py    admission control: requests and embedding bytes in flight
     engine.py       the vLLM AsyncLLM host (also the monolithic reference with the tower loaded)
+    handoff.py      embeddings into vLLM's image_embeds, no copy on the event loop (measured, decided)
     reaper.py       a small process that kills vLLM's engine processes if the node dies
     prompt.py       the checkpoint's chat template, one image placeholder per image
     coordinator/    images -> embeddings over the encoder pool (imports no vLLM)

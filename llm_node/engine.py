@@ -5,7 +5,8 @@ The engine starts with `enable_mm_embeds=True` and `limit_mm_per_prompt={"image"
 gives its memory to the KV cache. Each request carries, for its images in prompt order,
 one concatenated `image_embeds` tensor (sum of tokens x hidden) and an `image_grid_thw`
 (n x 3); vLLM splits the tensor back per image by grid size, and the content digests go
-in as multimodal uuids so vLLM's caches key on content.
+in as multimodal uuids so vLLM's caches key on content. How the embeddings get there, what
+that costs and why it is done this way: llm_node/handoff.py.
 
 The same host with `tower=True` is the monolithic reference (raw images, tower loaded):
 one set of engine arguments for both, so the only difference is where the tower runs.
@@ -13,7 +14,6 @@ one set of engine arguments for both, so the only difference is where the tower 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -26,6 +26,7 @@ from typing import Any
 
 from encdis.client.errors import InvalidArgument, Unavailable
 from encdis.llm_node.coordinator.records import ImageEmbedding
+from encdis.llm_node.handoff import EmbeddingHandoff
 from encdis.llm_node.settings import LLMSettings
 
 log = logging.getLogger(__name__)
@@ -210,19 +211,6 @@ def cpu_worker_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
-def embeds_mm_data(images: Sequence[ImageEmbedding]) -> tuple[dict[str, Any], dict[str, list[str]]]:
-    """multi_modal_data and multi_modal_uuids for images in prompt order.
-
-    One image's tensor goes in as it is; several are concatenated (vLLM splits them back by
-    grid), a copy of every byte, so callers run it off the event loop."""
-    import torch
-
-    embeds = images[0].embeds if len(images) == 1 else torch.cat([im.embeds for im in images], dim=0)
-    grid = torch.tensor([list(im.grid_thw) for im in images], dtype=torch.int64)
-    return ({"image": {"image_embeds": embeds, "image_grid_thw": grid}},
-            {"image": [im.digest for im in images]})
-
-
 class EngineHost:
     """Owns one AsyncLLM; `generate` streams deltas for a rendered prompt and its images."""
 
@@ -230,6 +218,7 @@ class EngineHost:
         self.settings = settings
         self.tower = tower
         self.kwargs = engine_kwargs(settings, tower=tower, max_images=max_images)
+        self.handoff = EmbeddingHandoff(shared_memory=self.kwargs.get("mm_tensor_ipc") == "torch_shm")
         self._llm = None
 
     @property
@@ -268,13 +257,8 @@ class EngineHost:
         """Stream a completion. Node: `images` (embeddings). Reference: `raw_images` (PIL).
         `trace_headers`: W3C trace context (traceparent) vLLM's request span joins."""
         inputs: dict[str, Any] = {"prompt": prompt}
-        if len(images) == 1:
-            mm, uuids = embeds_mm_data(images)
-        elif images:
-            mm, uuids = await asyncio.to_thread(embeds_mm_data, images)
         if images:
-            inputs["multi_modal_data"] = mm
-            inputs["multi_modal_uuids"] = uuids
+            inputs["multi_modal_data"], inputs["multi_modal_uuids"] = await self.handoff.mm_data(images)
         elif raw_images:
             inputs["multi_modal_data"] = {"image": list(raw_images)}
         from vllm.exceptions import VLLMClientError

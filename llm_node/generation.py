@@ -90,6 +90,7 @@ class GenerationService:
         self.draining = False
         self._calls = InFlight(metrics.in_flight)
         self.admission = Admission(settings.max_concurrent_requests, settings.max_inflight_embedding_bytes)
+        metrics.watch_admission(self.admission)
         self.tracing = coordinator.tracing  # one tracer per node, shared with its coordinator
 
     async def wait_idle(self, timeout: float) -> bool:

@@ -8,7 +8,12 @@ nodes in one process.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from encdis.llm_node.admission import Admission
 
 # Seconds; from sub-millisecond cache hits to multi-minute long generations.
 TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -29,6 +34,12 @@ class LLMNodeMetrics:
         for code in ("OK", "RESOURCE_EXHAUSTED"):
             self.requests.labels(code)
         self.in_flight = Gauge("encdis_requests_in_flight", "Generate requests being served", registry=registry)
+        # What admission control holds (llm_node/admission.py): read at scrape time, so a request
+        # that ended however it ended shows here as released.
+        self.admitted_requests = Gauge("encdis_admission_requests", "Requests holding an admission slot",
+                                       registry=registry)
+        self.admitted_embedding_bytes = Gauge("encdis_admission_embedding_bytes",
+                                              "Embedding bytes reserved by admitted requests", registry=registry)
         self.images = Counter("encdis_request_images_total", "Images received in Generate requests",
                               registry=registry)
         self.prompt_tokens = Counter("encdis_prompt_tokens_total", "Prompt tokens (image tokens included)",
@@ -44,6 +55,11 @@ class LLMNodeMetrics:
         }
         self.ttft = Histogram("encdis_request_time_to_first_token_seconds", "Request arrival to first token",
                               buckets=TIME_BUCKETS, registry=registry)
+
+    def watch_admission(self, admission: Admission) -> None:
+        """Export `admission`'s counters (requests holding a slot, embedding bytes reserved)."""
+        self.admitted_requests.set_function(lambda: admission.requests)
+        self.admitted_embedding_bytes.set_function(lambda: admission.embedding_bytes)
 
     def observe_split(self, **seconds: float) -> None:
         for part, value in seconds.items():

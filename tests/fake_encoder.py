@@ -7,6 +7,8 @@ image's grid from its header with the same smart_resize as the real node, and se
 of a constant value. Knobs are attributes a test sets:
 
     stall_after_header: seconds between an image's header and its first chunk
+    hang_up_after_header: after the header (and the stall) the call ends UNAVAILABLE, as a call
+        to an encoder killed mid-stream does: the embedding never arrives
     queue_seconds, batch_seconds: what each header reports
     rows_delta: rows more (or, negative, fewer) than the image's grid gives;
     rows_delta_in_header: True: the header announces those rows too (a self-consistent stream
@@ -59,6 +61,7 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
                                                      read_processor_config(ckpt))
         self.vision_config = read_vision_config(ckpt)
         self.stall_after_header = 0.0
+        self.hang_up_after_header = False
         self.queue_seconds = 0.0
         self.batch_seconds = 0.01
         self.rows_delta = 0
@@ -154,6 +157,8 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
             yield next(messages)  # the header
             if self.stall_after_header:
                 await asyncio.sleep(self.stall_after_header)
+            if self.hang_up_after_header:
+                raise Unavailable("the fake encoder hung up mid-stream")
             for msg in messages:
                 self.sent_bytes += len(msg.chunk.data)
                 yield msg

@@ -55,3 +55,23 @@ def test_the_slot_is_taken_before_any_bytes_and_released_once() -> None:
         a.reserve(1)
     b.release()
     assert (admission.requests, admission.embedding_bytes) == (0, 0)
+
+
+def test_the_node_exports_what_admission_holds_as_it_changes() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from encdis.llm_node.metrics import LLMNodeMetrics
+
+    registry = CollectorRegistry()
+    admission = Admission(max_requests=4, max_embedding_bytes=1000)
+    LLMNodeMetrics(registry).watch_admission(admission)
+
+    def held() -> tuple[float | None, float | None]:
+        return (registry.get_sample_value("encdis_admission_requests"),
+                registry.get_sample_value("encdis_admission_embedding_bytes"))
+
+    assert held() == (0, 0)
+    with admission.take() as slot:
+        slot.reserve(300)
+        assert held() == (1, 300)
+    assert held() == (0, 0)
