@@ -61,6 +61,11 @@ def run_node(settings: LLMSettings) -> int:
     except ValueError as e:
         log.error("cannot start: %s", e)
         return 2
+    # As `vllm serve` does: every cached embedding handed to the engine through shared memory
+    # holds a file descriptor while it is cached, more than a default soft limit of 1024 allows.
+    from vllm.utils.system_utils import set_ulimit
+
+    set_ulimit()
     reaper = EngineReaper.start()  # first, so the engine's processes are always reaped
     engine = EngineHost(settings)
     try:
