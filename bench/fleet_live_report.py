@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-# Goals where the issues state them for this measurement (their simulation's bars).
+# The goals this measurement is held to (the same bars as the fleet simulation's).
 HEDGE_P99_CUT = 2.0  # hedging cuts p99 at least this much with a frozen encoder
 HEDGE_EXTRA_PATCHES = 0.05  # ... with at most this share of extra patches
 AFFINITY_FORWARDS = 1.05  # tower forwards per distinct image on workload A, affinity on
