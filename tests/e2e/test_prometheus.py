@@ -147,18 +147,20 @@ def test_queued_patches_recording_rule_rises_under_load_and_returns_to_zero(rig:
 
     wait_until(lambda: rig.prom.query(rule) != [], 30, "the recording rule evaluated")
     stop = threading.Event()
-    images = [synthetic_photo(448, 448, seed=900 + i) for i in range(4)]
 
-    def load(address: str) -> int:
+    def load(worker: int) -> int:
         calls = 0
-        with EncoderClient(address, timeout=120) as client:
+        with EncoderClient(rig.encoders[worker % 2].address, timeout=120) as client:
             while not stop.is_set():
-                client.encode(images)
+                # New images every call: the encoders' embedding caches would answer repeats
+                # without queueing anything.
+                seed = 100_000 + 1000 * worker + 4 * calls
+                client.encode([synthetic_photo(448, 448, seed=seed + i) for i in range(4)])
                 calls += 1
         return calls
 
     with ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(load, rig.encoders[i % 2].address) for i in range(8)]
+        futures = [pool.submit(load, worker) for worker in range(8)]
         try:
             wait_until(lambda: value() > 0, 60, "queued patches above 0 under load")
         finally:
