@@ -77,7 +77,7 @@ class LoadReport:
 
     def age(self, now: float) -> float:
         """Seconds since the encoder made it (since it arrived, where that is all we know)."""
-        return max(0.0, now - (self.received_at if self.made_at is None else self.made_at))
+        return max(0.0, now - self.made())
 
     def made(self) -> float:
         """When it was made: our own work sent after that is not in it."""
@@ -142,15 +142,18 @@ class UnseenWork:
         self.window = window
         self._sums: dict[Hashable, tuple[float, float]] = {}  # key -> (decaying sum of our seconds, when)
 
+    def _sum(self, key: Hashable, now: float) -> float:
+        """Our seconds of work sent to `key`, decayed to `now`."""
+        total, at = self._sums.get(key, (0.0, now))
+        return total * math.exp(-max(0.0, now - at) / self.window)
+
     def sent(self, key: Hashable, seconds: float, now: float) -> None:
         """We sent encoder `key` an image predicted to take `seconds` of its forward."""
-        total, at = self._sums.get(key, (0.0, now))
-        self._sums[key] = (total * math.exp(-max(0.0, now - at) / self.window) + seconds, now)
+        self._sums[key] = (self._sum(key, now) + seconds, now)
 
     def own_rate(self, key: Hashable, now: float) -> float:
         """Our recent seconds of work sent to `key` per second."""
-        total, at = self._sums.get(key, (0.0, now))
-        return total * math.exp(-max(0.0, now - at) / self.window) / self.window
+        return self._sum(key, now) / self.window
 
     def forget(self, key: Hashable) -> None:
         self._sums.pop(key, None)
