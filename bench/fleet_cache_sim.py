@@ -52,6 +52,11 @@ class Encoder:
         self.forwards = 0
         self.forward_work = 0.0  # their true cost, noise aside
 
+    def has(self, digest: str) -> bool:
+        """EncoderService.Has: held, or queued or running here (a call for it then waits for that forward)."""
+        return digest in self.cache or any(d == digest for _, d, _ in self.queue) or (
+            self.running is not None and self.running[1] == digest)
+
     def work_left(self, now: float) -> float:
         return sum(true_cost(n) for _, _, n in self.queue) + max(0.0, self.busy_until - now)
 
@@ -114,6 +119,9 @@ def run(workload: str, affinity: bool, *, coordinators: int, encoders: int, refs
             shift = rotation % encoders
             order = pool[shift:] + pool[:shift]
             loads = [EncoderLoad(e.key, e.work_left(now), model) for e in order]
+            if affinity:  # EncoderService.Has before a digest leaves its top encoder (its round trip not modelled)
+                for e, ds in views[c].to_ask([n], [d], loads).items():
+                    views[c].answers(order[e].key, ds, [order[e].has(x) for x in ds])
             k = views[c].assign([n], [d], loads, affinity)[0] if affinity else assign([n], loads)[0]
             enc = order[k]
             if d in enc.cache:  # answered from its cache at once, beside the forwards

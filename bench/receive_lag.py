@@ -10,7 +10,9 @@ expectation, records.embedding_tensor) takes them:
 
   main    on the loop that also streams tokens (where the coordinator ran before);
   thread  on a loop of its own in another thread (coordinator_thread.LoopThread, as the LLM
-          node now runs its coordinator), awaited from the main loop.
+          node now runs its coordinator), awaited from the main loop;
+  thread+1ms  the same with the GIL switch interval the LLM node sets (coordinator_thread.
+          SWITCH_INTERVAL_SECONDS; Python's default is 5 ms).
 
 Either way a 1 ms sleeper on the main loop records how late it wakes (bench/transport.py's
 probe): that lateness is what every token stream on the node waits. The variants alternate
@@ -18,7 +20,19 @@ within each round (rotated order); the table has the medians over rounds and the
 thread/main per round's medians.
 
 Measured: 2 shared vCPUs, Python 3.11, grpcio 1.85; the eight senders on the same two cores;
-`python bench/receive_lag.py --rounds 5` (see the closing note of the change for the table).
+`python bench/receive_lag.py --rounds 5`:
+
+    main-loop lag of a 1 ms sleeper while 8 x 4K 72B embeddings (172.8 MB each) arrive at once;
+    medians of 5 rounds (idle: p50 0.08, p99 0.22, max 2.86 ms)
+    receiver on        p50 ms   p99 ms   max ms     MB/s
+    main                  4.1     23.0     23.5     1337
+    thread                0.4     15.3     28.2      999
+    thread+1ms            0.8      7.8     12.8     1757
+    thread/main          0.12     0.66     0.77     0.98
+    thread+1ms/main      0.21     0.47     0.54     1.31
+
+The lag left at 1 ms is the eight sender processes and the receiver sharing two cores with the
+sleeper (a receiving host with its own cores has no senders on them).
 """
 
 from __future__ import annotations
@@ -36,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from transport import HIDDEN, SIZES, encdis_receive, idle_lag, loop_lag, rows_for  # noqa: E402
 
 from encdis.client.encoder_client import RECEIVE_CHUNK_BYTES  # noqa: E402
+from encdis.llm_node.coordinator_thread import SWITCH_INTERVAL_SECONDS as SWITCH_INTERVAL  # noqa: E402
 from encdis.llm_node.coordinator_thread import LoopThread  # noqa: E402
 
 TRANSPORT = Path(__file__).resolve().parent / "transport.py"
@@ -67,6 +82,16 @@ async def receive_all(handles: list, rows: int, hidden: int, keep: list) -> None
     await asyncio.gather(*(encdis_receive(h, rows, hidden, RECEIVE_CHUNK_BYTES, keep) for h in handles))
 
 
+async def with_switch_interval(seconds: float, work) -> None:
+    """`work` with the interpreter's GIL switch interval at `seconds` (the LLM node's setting)."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    try:
+        await work
+    finally:
+        sys.setswitchinterval(before)
+
+
 async def measure(args: argparse.Namespace) -> dict:
     rows, hidden = rows_for(*SIZES[args.image]), HIDDEN[args.model]
     nbytes = args.senders * rows * hidden * 2
@@ -79,6 +104,8 @@ async def measure(args: argparse.Namespace) -> dict:
         variants = {
             "main": lambda keep: receive_all(on_main, rows, hidden, keep),
             "thread": lambda keep: other.run(receive_all, on_thread, rows, hidden, keep),
+            "thread+1ms": lambda keep: with_switch_interval(
+                SWITCH_INTERVAL, other.run(receive_all, on_thread, rows, hidden, keep)),
         }
         for run in variants.values():  # warm both sets of channels (windows, buffers)
             await run([])
@@ -86,7 +113,7 @@ async def measure(args: argparse.Namespace) -> dict:
         results: dict[str, list[dict]] = {name: [] for name in variants}
         names = list(variants)
         for r in range(args.rounds):
-            for name in names[r % 2:] + names[:r % 2]:
+            for name in names[r % len(names):] + names[:r % len(names)]:
                 keep: list = []
                 results[name].append(await loop_lag([variants[name](keep)], nbytes))
                 keep.clear()
@@ -111,11 +138,12 @@ def summary(result: dict) -> list[dict]:
         rows.append({"variant": name, **{f"lag_{q}_ms": statistics.median(r["lag_ms"][q] for r in runs)
                                           for q in ("p50", "p99", "max")},
                      "mb_per_s": statistics.median(r["mb_per_s"] for r in runs)})
-    pairs = list(zip(result["runs"]["main"], result["runs"]["thread"], strict=True))
-    rows.append({"variant": "thread/main", **{
-        f"lag_{q}_ms": statistics.median(t["lag_ms"][q] / max(m["lag_ms"][q], 1e-6) for m, t in pairs)
-        for q in ("p50", "p99", "max")},
-        "mb_per_s": statistics.median(t["mb_per_s"] / m["mb_per_s"] for m, t in pairs)})
+    for variant in ("thread", "thread+1ms"):
+        pairs = list(zip(result["runs"]["main"], result["runs"][variant], strict=True))
+        rows.append({"variant": f"{variant}/main", **{
+            f"lag_{q}_ms": statistics.median(t["lag_ms"][q] / max(m["lag_ms"][q], 1e-6) for m, t in pairs)
+            for q in ("p50", "p99", "max")},
+            "mb_per_s": statistics.median(t["mb_per_s"] / m["mb_per_s"] for m, t in pairs)})
     return rows
 
 
@@ -124,12 +152,12 @@ def print_table(result: dict, rows: list[dict]) -> None:
     print(f"\nmain-loop lag of a 1 ms sleeper while {result['senders']} x {result['image']} {result['model']} "
           f"embeddings ({result['mbytes_per_image']:.1f} MB each) arrive at once; medians of {result['rounds']} "
           f"rounds (idle: p50 {i['p50']:.2f}, p99 {i['p99']:.2f}, max {i['max']:.2f} ms)")
-    header = f"{'receiver on':12} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'MB/s':>8}"
+    header = f"{'receiver on':16} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'MB/s':>8}"
     print(header, "-" * len(header), sep="\n")
     for r in rows:
-        ratio = r["variant"] == "thread/main"
+        ratio = r["variant"].endswith("/main")
         fmt = "{:>8.2f}" if ratio else "{:>8.1f}"
-        print(f"{r['variant']:12} " + " ".join(fmt.format(r[k]) for k in ("lag_p50_ms", "lag_p99_ms", "lag_max_ms"))
+        print(f"{r['variant']:16} " + " ".join(fmt.format(r[k]) for k in ("lag_p50_ms", "lag_p99_ms", "lag_max_ms"))
               + (f" {r['mb_per_s']:>8.2f}" if ratio else f" {r['mb_per_s']:>8.0f}"))
 
 

@@ -109,8 +109,10 @@ class EmbeddingCache:
         return len(self._entries)
 
     def has(self, digest: str) -> bool:
-        """A finished entry (an embedding being computed is not one); does not touch the LRU order."""
-        return digest in self._entries
+        """A finished entry, or one being computed (a call for it now waits for that forward and runs
+        none of its own: `claim`); does not touch the LRU order."""
+        fut = self._computing.get(digest)
+        return digest in self._entries or (fut is not None and not fut.done())
 
     def get(self, digest: str) -> CachedEmbedding | None:
         entry = self._entries.get(digest)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import sys
 from dataclasses import dataclass
 
 import grpc
@@ -26,6 +27,7 @@ from encdis.auth import ApiKeys
 from encdis.auth import interceptors as auth_interceptors
 from encdis.client.channels import ChannelSecurity
 from encdis.client.pb import llm_pb2, llm_pb2_grpc
+from encdis.llm_node.coordinator_thread import SWITCH_INTERVAL_SECONDS
 from encdis.llm_node.engine import EngineHost
 from encdis.llm_node.generation import GenerationService
 from encdis.llm_node.grpc_front import GenerateServicer
@@ -66,6 +68,9 @@ def run_node(settings: LLMSettings) -> int:
     from vllm.utils.system_utils import set_ulimit
 
     set_ulimit()
+    # The coordinator receives on its own thread (coordinator_thread.py): a shorter GIL switch
+    # interval bounds how long the loop that streams tokens waits for the GIL meanwhile.
+    sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
     reaper = EngineReaper.start()  # first, so the engine's processes are always reaped
     engine = EngineHost(settings)
     try:

@@ -95,8 +95,8 @@ class EncoderServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Has(self, request, context):
-        """Which content digests the node's embedding cache holds finished (an embedding still being
-        computed is not present). Cheap: answered from the cache, no batch slot.
+        """Which content digests the node's embedding cache holds, finished or being computed (an
+        Encode of one now runs no forward of its own). Cheap: answered from the cache, no batch slot.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -11,6 +11,8 @@ API:
     Affinity(settings)                       what the dispatcher holds
         .applies(handles) -> bool            on, and every candidate has a cache
         .assign(patches, digests, loads)     encoder index per image (as assignment.assign)
+        .to_ask(patches, digests, loads)     {encoder index: digests} worth an EncoderService.Has first
+        .answers(key, digests, present)      learn what Has answered
         .observe(key, patches, digest, receive_seconds)  from each received embedding
 
 Ranking is rendezvous (highest random weight) hashing: weight(encoder, digest) is a hash of the
@@ -18,21 +20,37 @@ encoder's target address and the digest, the same number in every LLM node's vie
 ranks the live encoders alike with no coordination; an encoder joining or leaving moves only the
 digests whose top encoder it is (about 1/N of them), not a reshuffle.
 
+Knowing who holds what: replies say which encoder holds a digest (`observe`), but only to the
+node that asked; another node's first send of the same image knows nothing. Before an image
+leaves its top-ranked encoder for want of that knowledge (and is known held nowhere else), the
+dispatcher asks the top one (`to_ask`, EncoderService.Has, one round trip, only on those
+images): an answer of "held" makes it a hit there. So on a loaded pool each image is still
+encoded once per fleet, and images nobody holds keep the bound below.
+
 Bounded load: images go largest first, as in assignment.assign, and finish(e) is the same
-prediction (backlog + this request's images on e + this image), except that at an encoder known
-to hold the digest the image costs its transfer, not a forward. The image goes to the
+prediction (backlog + this request's images on e + this image), except at an encoder known to
+hold the digest: it answers from its cache at once, without a forward or a place in its queue
+(encoder_node/servicer.py), so the image finishes after its transfer (and this request's other
+transfers from there), whatever that encoder's backlog. The image goes to the
 highest-ranked encoder whose finish is within slack * (the image's forward cost at the best
 encoder) of the best finish: the top one unless it is that far behind, then consistently the next
 ranked (so a hot image spills to one more encoder, which then holds it too, not to whichever is
-idlest). The best encoder always qualifies, so an image waits at most `slack` forwards for its
-encoder; a spill is cheaper than waiting any longer. `Affinity` caps that forward at the moving
-mean image's cost: a 4K image pinned behind up to its own cost would double its latency (the tail
-of all-distinct traffic: bench/fleet_cache_sim.py, p99 1.13x the cost policy's uncapped, 1.00x
-capped), while waiting one mean image is what any image waits in a balanced pool.
+idlest). The backlogs are the seen ones (EncoderLoad.seen_backlog_seconds: the encoder's report
+and our own work since), not the estimates the cost policy adds for balancing (lateness, other
+coordinators' work no report shows yet): those differ from one LLM node to the next, and a spill
+decided on them sends one digest to different encoders from different nodes, a forward each
+(bench/fleet_live.py part 2: the estimates alone spread the encoders' backlogs by more than an
+image's forward on a pool that was nearly idle). The best encoder always qualifies, so an image
+waits at most `slack` forwards for its encoder; a spill is cheaper than waiting any longer.
+`Affinity` caps that forward at the moving mean image's cost: a 4K image pinned behind up to its
+own cost would double its latency (the tail of all-distinct traffic: bench/fleet_cache_sim.py,
+p99 1.13x the cost policy's uncapped, 1.00x capped), while waiting one mean image is what any
+image waits in a balanced pool.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
@@ -41,6 +59,7 @@ from typing import TYPE_CHECKING
 from .assignment import EncoderLoad, Spread, assign
 
 if TYPE_CHECKING:
+    from .expectation import PendingImage
     from .handle import EncoderHandle
     from .settings import CoordinatorSettings
 
@@ -52,6 +71,10 @@ HELD_PER_ENCODER = 4096
 TRANSFER_PRIOR_SECONDS_PER_PATCH = 2e-6
 TRANSFER_RATE = 0.1  # weight of each new measurement in the moving average
 MEAN_COST_RATE = 0.01  # weight of each image in the moving mean forward cost (~100 images)
+# A Has answer later than this is not worth waiting for: the image is forwarded elsewhere instead.
+HAS_TIMEOUT_SECONDS = 0.5
+# Where a digest can be: its top encoder, or the next ranked when the top was too far behind.
+ASK_RANKS = 2
 
 
 def weight(key: str, digest: str) -> int:
@@ -111,7 +134,7 @@ def affinity_assign(image_patches: Sequence[int], digests: Sequence[str], encode
         raise ValueError(f"patch counts must be positive, got {list(image_patches)}")
     keys = [e.key for e in encoders]
     coefs = [e.model.coefficients for e in encoders]
-    backlogs = [max(0.0, e.backlog_seconds) for e in encoders]
+    backlogs = [max(0.0, e.seen_seconds) for e in encoders]  # seen work only: the same in every node's view
     k = len(encoders)
     count, given, squares = [0] * k, [0] * k, [0] * k  # this request's forwards per encoder, exact
     hits = [0.0] * k  # and its transfers of held embeddings
@@ -126,16 +149,14 @@ def affinity_assign(image_patches: Sequence[int], digests: Sequence[str], encode
         n, d = image_patches[i], digests[i]
         held_at = [held is not None and held.holds(keys[e], d) for e in range(k)]
         finish = [0.0] * k
-        for e in range(k):
-            if held_at[e]:
-                finish[e] = forward(e, 0) - coefs[e][0] + n * transfer_seconds_per_patch  # no new forward
-            else:
-                finish[e] = forward(e, n)
+        for e in range(k):  # a hit waits for this request's transfers there, not for the queue
+            finish[e] = hits[e] + n * transfer_seconds_per_patch if held_at[e] else forward(e, n)
         best = min(range(k), key=lambda e: (finish[e], given[e], e))
         c0, c1, c2 = coefs[best]
         own = c0 + c1 * n + c2 * n * n
         allowed = finish[best] + slack * (min(own, cap_seconds) if cap_seconds is not None else own)
-        chosen = next(e for e in rank(d, keys) if finish[e] <= allowed)
+        ranked = [e for e in rank(d, keys) if finish[e] <= allowed]
+        chosen = next((e for e in ranked if held_at[e]), ranked[0])  # a holder before a new forward
         result[i] = chosen
         if held_at[chosen]:
             hits[chosen] += n * transfer_seconds_per_patch
@@ -171,8 +192,32 @@ class Affinity:
             cost = loads[0].model.predict(n)
             self.mean_cost = cost if self.mean_cost is None else self.mean_cost + MEAN_COST_RATE * (
                 cost - self.mean_cost)
+        return self._picks(image_patches, digests, loads)
+
+    def _picks(self, image_patches: Sequence[int], digests: Sequence[str], loads: Sequence[EncoderLoad]) -> list[int]:
         return affinity_assign(image_patches, digests, loads, slack=self.slack, held=self.held,
                                transfer_seconds_per_patch=self.transfer_seconds_per_patch, cap_seconds=self.mean_cost)
+
+    def to_ask(self, image_patches: Sequence[int], digests: Sequence[str],
+               loads: Sequence[EncoderLoad]) -> dict[int, list[str]]:
+        """Digests to ask their top-ranked encoder about (by its index in `loads`): those `assign`
+        would send elsewhere to be forwarded, not known held there or at the encoder chosen instead."""
+        keys = [e.key for e in loads]
+        ask: dict[int, list[str]] = {}
+        for d, pick in zip(digests, self._picks(image_patches, digests, loads), strict=True):
+            if self.held.holds(keys[pick], d):
+                continue
+            for e in rank(d, keys)[:ASK_RANKS]:
+                ask.setdefault(e, []).append(d)
+        return ask
+
+    def answers(self, key: Hashable, digests: Sequence[str], present: Sequence[bool]) -> None:
+        """What encoder `key` answered to Has(digests). An answer of another length than the
+        question is not trusted (nothing learnt)."""
+        if len(present) == len(digests):
+            for d, p in zip(digests, present, strict=True):
+                if p:
+                    self.held.learn(key, d)
 
     def observe(self, key: Hashable, patches: int, digest: str, receive_seconds: float) -> None:
         """A received embedding: its encoder now holds the digest; its receive time prices a transfer."""
@@ -180,3 +225,27 @@ class Affinity:
         if receive_seconds > 0 and patches > 0:
             r = TRANSFER_RATE
             self.transfer_seconds_per_patch += r * (receive_seconds / patches - self.transfer_seconds_per_patch)
+
+
+
+async def ask_holders(affinity: Affinity, candidates: Sequence[EncoderHandle], loads: Sequence[EncoderLoad],
+                      jobs: Sequence[PendingImage], asked: set[tuple[str, str]]) -> bool:
+    """Ask the top-ranked encoders (EncoderService.Has) about the images `affinity.to_ask` names,
+    each (encoder, digest) once per request (`asked`); True if it asked (it awaited: plan again).
+    An encoder that fails or is slow to answer is taken to hold nothing: the image goes elsewhere."""
+    if not affinity.applies(candidates):
+        return False
+    questions = []
+    for e, ds in affinity.to_ask([j.patches for j in jobs], [j.digest for j in jobs], loads).items():
+        new = [d for d in dict.fromkeys(ds) if (candidates[e].address, d) not in asked]
+        if new:
+            asked.update((candidates[e].address, d) for d in new)
+            questions.append((candidates[e], new))
+    if not questions:
+        return False
+    answers = await asyncio.gather(*(h.client.has(ds, timeout=HAS_TIMEOUT_SECONDS) for h, ds in questions),
+                                   return_exceptions=True)
+    for (h, ds), present in zip(questions, answers, strict=True):
+        if not isinstance(present, BaseException):
+            affinity.answers(h.address, ds, present)
+    return True

@@ -74,11 +74,20 @@ from encdis.llm_node.coordinator.cost_model import CostModel
 
 @dataclass(frozen=True)
 class EncoderLoad:
-    """One encoder as the policy sees it: predicted seconds of queued work and its cost model."""
+    """One encoder as the policy sees it: predicted seconds of queued work and its cost model.
+
+    `seen_backlog_seconds`: the part of the backlog that was seen (its load report and our own
+    work since), without the estimates added for balancing (lateness, other coordinators' work
+    no report shows yet); None: the backlog is all seen. Digest affinity decides on it."""
 
     key: Hashable
     backlog_seconds: float
     model: CostModel
+    seen_backlog_seconds: float | None = None
+
+    @property
+    def seen_seconds(self) -> float:
+        return self.backlog_seconds if self.seen_backlog_seconds is None else self.seen_backlog_seconds
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,8 @@ class ColocatedLink:
         self.receiving += 1
         try:
             work = self.group.post_recv(buf, tag)
-            await asyncio.get_running_loop().run_in_executor(self._threads, self.group.wait, work, timeout, what)
+            host = await asyncio.get_running_loop().run_in_executor(self._threads, self._landed, work, buf, timeout,
+                                                                    what)
         except PairError as e:
             reason = "timeout" if "imed out" in str(e) else "peer_lost"
             if by_caller and reason == "timeout":
@@ -99,8 +100,13 @@ class ColocatedLink:
             self._on_receiving(-1)
             self.receiving -= 1
         self._on_received()
-        host = buf if buf.device.type == "cpu" else buf.cpu()
         return memoryview(host.numpy()).cast("B")
+
+    def _landed(self, work, buf: torch.Tensor, timeout: float, what: str) -> torch.Tensor:
+        """In a receive thread: wait for `work`, then `buf` in host memory. The device-to-host copy of
+        an NCCL receive runs here too, never on the coordinator's loop, which streams other calls."""
+        self.group.wait(work, timeout, what)
+        return buf if buf.device.type == "cpu" else buf.cpu()
 
     def fail(self, reason: str, detail: str) -> None:
         """Close the pair (idempotent); the first failure is reported to the owner."""

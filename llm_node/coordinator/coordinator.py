@@ -208,9 +208,9 @@ class Coordinator:
             raise ValueError(f"{len(grids)} grids for {len(images)} images")
         # Hashing megabytes takes milliseconds: off the event loop beyond a small total.
         if sum(len(img) for img in images) > OFFLOAD_BYTES:
-            digests = await asyncio.to_thread(self._digests, images)
+            digests = await asyncio.to_thread(self.digests, images)
         else:
-            digests = self._digests(images)
+            digests = self.digests(images)
         timing = RequestTiming()
         results: list[ImageEmbedding | None] = [None] * len(images)
         cached = [True] * len(images)
@@ -290,7 +290,7 @@ class Coordinator:
                               patch_size=ident.patch_size, merge_size=ident.merge_size,
                               temporal_patch_size=ident.temporal_patch_size)
 
-    def _digests(self, images: Sequence[bytes]) -> list[str]:
+    def digests(self, images: Sequence[bytes]) -> list[str]:
         """Content digest of every image (the cache key and vLLM's multimodal uuid)."""
         ident = self.identity
         return [content_digest(bytes(img), ident.min_pixels, ident.max_pixels, self.weights_fingerprint,

@@ -1,25 +1,25 @@
 """Dispatch: a request's uncached images onto encoders, one Encode stream per encoder, with retries.
 
-Each round assigns the images still missing (assignment.assign: decreasing cost, earliest
-predicted finish over the SERVING encoders' cost models and backlogs) and runs one Encode
-stream per chosen encoder concurrently. Each embedding, as it arrives, is checked against
-what the coordinator knows before any encoder answers (the image's grid from its header,
-rows = t*h*w / merge_size**2, the LLM's hidden size, the pool's datatype, our
-own digest), turned into a tensor over the received bytes (torch.frombuffer, never pickle)
-and handed to the cache; each batch timing goes to that encoder's cost model.
+Each round assigns the images still missing (assignment.assign: decreasing cost, earliest predicted
+finish over the SERVING encoders' cost models and backlogs; with caching encoders affinity.py's
+digest affinity, after asking top-ranked encoders whether they hold images about to go elsewhere)
+and runs one Encode stream per chosen encoder concurrently. Each embedding, as it arrives, is
+checked against what the coordinator knows before any encoder answers (the image's grid from its
+header, rows = t*h*w / merge_size**2, the LLM's hidden size, the pool's datatype, our own digest),
+turned into a tensor over the received bytes (torch.frombuffer, never pickle) and handed to the
+cache; each batch timing goes to that encoder's cost model.
 
 Encoders are not trusted. One that sends anything else (or breaks the wire contract) is
 quarantined (pool.penalise) and its images go elsewhere. Each attempt is bounded by the
 encoder's predicted cost (its backlog plus these images, times a margin, at least a floor;
 `encode_timeout_seconds` until its cost model has seen a batch) and by the caller's
-deadline: an attempt past its own bound marks the encoder slow and moves its images (to a
-slow one only when no encoder is serving: late beats refused); past the caller's deadline,
-the request fails with DEADLINE_EXCEEDED. RESOURCE_EXHAUSTED makes the encoder look busier
-for a while. Other failures (UNAVAILABLE, reset, broken stream)
-mark it unhealthy until its health watch re-checks it. Each image is re-sent at most
-`max_retries` times; rounds in which every encoder failed the request are spaced by an
-exponential back-off with jitter. INVALID_ARGUMENT is not retried and names the image in
-the request's numbering.
+deadline: an attempt past its own bound marks the encoder slow and moves its images (to a slow
+one only when no encoder is serving: late beats refused); past the caller's deadline, the request
+fails with DEADLINE_EXCEEDED. RESOURCE_EXHAUSTED makes the encoder look busier for a while. Other
+failures (UNAVAILABLE, reset, broken stream) mark it unhealthy until its health watch re-checks
+it. Each image is re-sent at most `max_retries` times; rounds in which every encoder failed the
+request are spaced by an exponential back-off with jitter. INVALID_ARGUMENT is not retried and
+names the image in the request's numbering.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from encdis.client.errors import (
 from encdis.client.wire import Embedding, ExpectedEmbedding
 from encdis.tracing import Tracing, record_span, trace_metadata
 
-from .affinity import Affinity
+from .affinity import Affinity, ask_holders
 from .colocated import ColocatedTransport
 from .colocated_link import ColocatedFailure
 from .embedding_cache import EmbeddingCache
@@ -93,8 +93,7 @@ class Dispatcher:
         self.hidden_size = hidden_size
         self.min_pixels = min_pixels
         self.max_pixels = max_pixels
-        # Idle encoders tie on predicted finish and assign() then picks the first: rotating
-        # the candidates' order per round spreads ties instead of favouring one encoder.
+        # Rotating the candidates per round spreads ties on predicted finish (assign picks the first).
         self._rotation = 0
         self._random = random.Random()
         self.tracing = Tracing()  # off until the node sets its own (encdis/tracing.py)
@@ -113,6 +112,7 @@ class Dispatcher:
         excluded: set[str] = set()  # encoders that already failed this request
         failures: list[str] = []
         failed_rounds = 0
+        asked: set[tuple[str, str]] = set()  # (encoder, digest) asked whether it holds it (affinity.py)
         while remaining:
             _check_deadline(deadline, remaining, failures)
             routable = await self._routable(timing, failures, deadline)
@@ -120,7 +120,10 @@ class Dispatcher:
             self._rotation += 1
             shift = self._rotation % len(candidates)
             candidates = candidates[shift:] + candidates[:shift]
-            calls = self._plan(candidates, sorted(remaining.values(), key=lambda j: j.index))
+            jobs = sorted(remaining.values(), key=lambda j: j.index)
+            if await ask_holders(self.affinity, candidates, self.pool.loads(candidates), jobs, asked):
+                continue  # asked (awaited): plan again with the pool and what they hold as they are now
+            calls = self._plan(candidates, jobs)
             # Held from now (no await since `_routable`), so a DNS refresh cannot close them under us.
             for h, _ in calls:
                 self.pool.acquire(h)
@@ -134,8 +137,7 @@ class Dispatcher:
                 if failure is not None:
                     self._count_failure(failure, remaining, attempts, excluded, failures, timing)
             if remaining and all(h.address in excluded for h in self.pool.serving()):
-                # Every encoder failed this request once already: do not hammer them in a tight
-                # loop, nor all at once with the other requests that failed with this one.
+                # Every encoder failed it once: back off, not in a tight loop nor with the requests failing beside it.
                 failed_rounds += 1
                 pause = self._pause(failed_rounds)
                 if deadline is not None:
@@ -240,8 +242,7 @@ class Dispatcher:
                        remaining: dict[int, PendingImage], timing: RequestTiming, deadline: float | None,
                        excluded: set[str]) -> _CallFailure | None:
         """One call to `h`, hedged when it straggles (hedging.Hedger); None once every image is in."""
-        def call(target: EncoderHandle, group: list[PendingImage], progress: CallProgress,
-                 first_attempt: bool):
+        def call(target: EncoderHandle, group: list[PendingImage], progress: CallProgress, first_attempt: bool):
             return self._call(target, images, group, remaining, timing, deadline, progress,
                               first_attempt=first_attempt)
 

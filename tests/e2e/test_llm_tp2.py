@@ -7,21 +7,23 @@ divide by 2: the node, which never runs the tower, must start anyway (vLLM would
 them in its default "weights" encoder TP mode), as `vllm serve` does with its tower replicated
 per rank. The node receives each embedding once, whatever its TP size: the bytes its
 coordinator counts as received equal the bytes the encoders sent, and both equal the
-embeddings' sizes (rows x hidden x 4, float32 on CPU).
+embeddings' sizes (rows x hidden x 4, float32 on CPU). Eight concurrent requests (text only to
+four images, one repeated) equal it too: their embeddings go through the handoff at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from encdis.client import GenerateClient
+from encdis.client import AsyncGenerateClient, GenerateClient
 from encdis.launcher import NodeProcess, start_node
 from encdis.tiny_checkpoint import make_tiny_checkpoint
-from tests.e2e.conftest import encoder_processes, reference_tokens
+from tests.e2e.conftest import concurrent_cases, encoder_processes, reference_tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
@@ -40,7 +42,7 @@ def three_head_ckpt(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def monolithic_tp2(request, three_head_ckpt: Path, equality_cases, tmp_path_factory) -> dict[str, list[int]]:
-    cases = [equality_cases[name] for name in CASES]
+    cases = [equality_cases[name] for name in CASES] + concurrent_cases(equality_cases)
     return reference_tokens(request.config, three_head_ckpt, cases, tmp_path_factory.mktemp("monolithic-tp2"),
                             tp=TP)
 
@@ -81,3 +83,13 @@ def test_tp2_tokens_equal_monolithic_tp2_and_each_embedding_arrives_once(
     sent = sum(n.metric(SENT) for n in encoder_nodes) - sent0
     assert received == expected_bytes
     assert sent == expected_bytes
+
+
+async def test_tp2_eight_concurrent_requests_equal_monolithic_tp2(monolithic_tp2, llm_node_tp2, equality_cases):
+    cases = concurrent_cases(equality_cases)
+    assert len(cases) == 8
+    async with AsyncGenerateClient(llm_node_tp2.address, timeout=600) as client:
+        results = await asyncio.gather(*(
+            client.generate(c.prompt, c.images, max_tokens=c.max_tokens, ignore_eos=True) for c in cases))
+    got = {c.name: r.token_ids for c, r in zip(cases, results, strict=True)}
+    assert got == {c.name: monolithic_tp2[c.name] for c in cases}

@@ -26,7 +26,7 @@ from encdis.llm_node.coordinator.coordinator import Coordinator
 from encdis.llm_node.coordinator.settings import CoordinatorSettings
 from encdis.pair_group import read_boot_id
 from tests.fake_encoder import FakeEncoder
-from tests.integration.test_coordinator import encoder_args, metric, png
+from tests.integration.test_coordinator import encoder_args, metric, png, wait_for
 from tests.needs import require_or_skip
 
 pytestmark = [pytest.mark.timeout(600)]
@@ -147,7 +147,9 @@ async def test_kill_9_mid_transfer_completes_from_the_other_encoder(tiny_ckpt, e
     try:
         # Four equal images over two idle encoders: each gets some (earliest predicted finish).
         same = [png(224, 224, 10 + i) for i in range(4)]
-        want = await reference(tiny_ckpt, encoder.address, same)
+        # The reference is made afterwards: made first, the encoder's cache would hold all four and
+        # digest affinity would send it every one (a hit beats a forward).
+        await wait_for(lambda: len(coord.pool.serving()) == 2, what="both encoders serving")
         request = asyncio.ensure_future(coord.encode(same))
         for _ in range(1200):  # the victim's header is in, its bytes are not: a receive waits on its pair
             if coord.colocated.receiving(victim.address) >= 1:
@@ -158,8 +160,8 @@ async def test_kill_9_mid_transfer_completes_from_the_other_encoder(tiny_ckpt, e
         os.kill(victim.proc.pid, signal.SIGKILL)
         t0 = time.monotonic()
         result = await asyncio.wait_for(request, 60)
-        assert raw(result) == want
         assert time.monotonic() - t0 < 30 and result.retries >= 1
+        assert raw(result) == await reference(tiny_ckpt, encoder.address, same)
         assert sum(metric(registry, FALLBACKS, reason=r) for r in ("peer_lost", "abandoned", "closed")) >= 1
     finally:
         await coord.stop()

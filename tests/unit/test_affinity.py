@@ -77,6 +77,19 @@ def test_a_hot_digest_spills_to_the_next_ranked_once_the_top_is_behind_by_more_t
     assert affinity_assign([1000], [d], loads(backlogs), slack=2.0) == [order[0]]
 
 
+def test_only_seen_backlog_makes_a_digest_leave_its_top_encoder() -> None:
+    # Lateness and other nodes' unseen work are per-node estimates: a spill on them would send one
+    # digest to different encoders from different LLM nodes. What the encoder reported spills it.
+    d = DIGESTS[2]
+    order = rank(d, KEYS)
+    model = CostModel(0.0, 1e-3, 0.0)
+    estimated = [EncoderLoad(k, 5.0 if e == order[0] else 0.0, model, 0.0) for e, k in enumerate(KEYS)]
+    assert affinity_assign([1000], [d], estimated, slack=1.0) == [order[0]]
+    seen = [EncoderLoad(k, 5.0 if e == order[0] else 0.0, model, 5.0 if e == order[0] else 0.0)
+            for e, k in enumerate(KEYS)]
+    assert affinity_assign([1000], [d], seen, slack=1.0) == [order[1]]
+
+
 def test_a_big_image_waits_at_most_the_mean_images_cost_for_its_encoder() -> None:
     # Pinning a 4K image behind up to its own cost would double its latency: Affinity caps the
     # tolerance at the moving mean image's cost.
@@ -93,28 +106,44 @@ def test_a_big_image_waits_at_most_the_mean_images_cost_for_its_encoder() -> Non
     assert aff.assign([4000], [d], loads(backlogs)) == [order[1]]
 
 
-def test_a_known_hit_costs_its_transfer_at_the_encoder_that_holds_it() -> None:
+def test_a_known_hit_goes_to_its_holder_whatever_its_queue() -> None:
+    # An encoder answers a hit from its cache at once, with no forward and no place in its queue.
     d = DIGESTS[1]
     order = rank(d, KEYS)
     held = HeldDigests()
     backlogs = [0.0] * 8
     backlogs[order[0]] = 3.0  # far behind: a forward there would spill
     backlogs[order[1]] = 3.0
-    assert affinity_assign([1000], [d], loads(backlogs), slack=1.0) == [order[2]]
-    held.learn(KEYS[order[0]], d)
-    # Held there, but 3 s of backlog + a transfer is behind a 1 s forward elsewhere by more than
-    # the slack (1 s); with 1.5 s of backlog it is within it.
     assert affinity_assign([1000], [d], loads(backlogs), slack=1.0, held=held) == [order[2]]
-    backlogs[order[0]] = 1.5
+    held.learn(KEYS[order[0]], d)
     assert affinity_assign([1000], [d], loads(backlogs), slack=1.0, held=held) == [order[0]]
+    # Held by the second ranked only: there, not a new forward at an idle top.
+    held2 = HeldDigests()
+    held2.learn(KEYS[order[1]], d)
+    assert affinity_assign([1000], [d], loads([0.0] * 8), slack=1.0, held=held2) == [order[1]]
     # Many images of the same request at the holder cost transfers, not forwards.
-    backlogs = [0.0] * 8
     many = DIGESTS[100:110]
     for x in many:
         held.learn(KEYS[order[0]], x)
-    picks = affinity_assign([1000] * 10, many, loads(backlogs), slack=0.0, held=held,
+    picks = affinity_assign([1000] * 10, many, loads([0.0] * 8), slack=0.0, held=held,
                             transfer_seconds_per_patch=1e-6)
     assert picks == [order[0]] * len(many)  # ten transfers (10 ms) beat any forward (1 s)
+
+
+def test_images_to_be_forwarded_are_asked_of_their_two_top_encoders_first() -> None:
+    aff = Affinity(CoordinatorSettings())
+    d, e = DIGESTS[5], DIGESTS[6]
+    od, oe = rank(d, KEYS), rank(e, KEYS)
+    ask = aff.to_ask([1000, 1000], [d, e], loads([0.0] * 8))
+    assert {k: sorted(v) for k, v in ask.items()} == {
+        k: sorted(x for x, o in ((d, od), (e, oe)) if k in o[:2]) for k in set(od[:2]) | set(oe[:2])}
+    # What an encoder says it holds is learnt (an answer of the wrong length is not trusted),
+    # and a known hit is not asked about again.
+    aff.answers(KEYS[od[1]], [d, e], [True])
+    assert not aff.held.holds(KEYS[od[1]], d)
+    aff.answers(KEYS[od[1]], [d], [True])
+    assert aff.assign([1000], [d], loads([0.0] * 8)) == [od[1]]
+    assert all(d not in v for v in aff.to_ask([1000], [d], loads([0.0] * 8)).values())
 
 
 def test_non_repeating_images_stay_balanced() -> None:

@@ -73,7 +73,8 @@ def test_a_second_caller_awaits_the_first_and_computes_itself_if_the_first_fails
         c = EmbeddingCache(1000)
         assert c.claim("d") is None  # the first computes
         waiting = c.claim("d")
-        assert waiting is not None and not c.has("d")  # in flight is not present
+        # Being computed is present to Has: a call for it now waits for this forward, runs none.
+        assert waiting is not None and c.has("d") and len(c) == 0
         c.finish("d", entry(8, 1))
         assert (await waiting).data == entry(8, 1).data and c.has("d")
         assert c.claim("e") is None
@@ -81,6 +82,7 @@ def test_a_second_caller_awaits_the_first_and_computes_itself_if_the_first_fails
         c.abandon("e")
         with pytest.raises(LookupError):
             await failed
+        assert not c.has("e")  # abandoned: nobody computes it now
         assert c.claim("e") is None  # the waiter now computes it itself
         c.abandon("e")
         c.abandon("never-claimed")  # harmless
