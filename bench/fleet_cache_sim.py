@@ -137,7 +137,7 @@ def run(workload: str, affinity: bool, *, coordinators: int, encoders: int, refs
                 c, d, n = enc.running
                 enc.running = None
             enc.cache.add(d)
-            views[c].observe(enc.key, n, d, n * TRANSFER_SECONDS_PER_PATCH)
+            views[c].observe(enc.key, n, d, n * TRANSFER_SECONDS_PER_PATCH, kind == "hit")
             cached[c].add(d)
             latencies.extend(now - a for a in pending[c].pop(d))
             if kind == "done":

@@ -21,18 +21,23 @@ ranks the live encoders alike with no coordination; an encoder joining or leavin
 digests whose top encoder it is (about 1/N of them), not a reshuffle.
 
 Knowing who holds what: replies say which encoder holds a digest (`observe`), but only to the
-node that asked; another node's first send of the same image knows nothing. Before an image
-leaves its top-ranked encoder for want of that knowledge (and is known held nowhere else), the
-dispatcher asks the top one (`to_ask`, EncoderService.Has, one round trip, only on those
-images): an answer of "held" makes it a hit there. So on a loaded pool each image is still
-encoded once per fleet, and images nobody holds keep the bound below.
+node that asked; another node's first send of the same image knows nothing. Before an image is
+sent anywhere to be forwarded (not known held where it would go), the dispatcher asks its two
+top-ranked encoders, where affinity puts a digest (`to_ask`: EncoderService.Has, one round trip
+to each, in parallel; an answer counts a digest being computed there too, whose call would wait
+for that forward and run none). Among the encoders within the bound below, a known holder comes
+before a new forward. Only once the pool is seen shared (`Affinity.shared`): a node alone knows
+what it sent where and never pays the round trip. So on a loaded pool each image is still
+encoded about once per fleet (a digest spilt to the second encoder is found there, not forwarded
+again at the top), and images nobody holds keep the bound. The cost, in a shared pool: that
+round trip on every image that is forwarded.
 
 Bounded load: images go largest first, as in assignment.assign, and finish(e) is the same
 prediction (backlog + this request's images on e + this image), except at an encoder known to
 hold the digest: it answers from its cache at once, without a forward or a place in its queue
 (encoder_node/servicer.py), so the image finishes after its transfer (and this request's other
-transfers from there), whatever that encoder's backlog. The image goes to the
-highest-ranked encoder whose finish is within slack * (the image's forward cost at the best
+transfers from there), whatever that encoder's backlog. The image goes to the highest-ranked
+encoder (a holder first) whose finish is within slack * (the image's forward cost at the best
 encoder) of the best finish: the top one unless it is that far behind, then consistently the next
 ranked (so a hot image spills to one more encoder, which then holds it too, not to whichever is
 idlest). The backlogs are the seen ones (EncoderLoad.seen_backlog_seconds: the encoder's report
@@ -176,6 +181,9 @@ class Affinity:
         self.held = held or HeldDigests()
         self.transfer_seconds_per_patch = TRANSFER_PRIOR_SECONDS_PER_PATCH
         self.mean_cost: float | None = None  # moving mean of images' predicted forward seconds
+        # Set once an encoder answered from its cache a digest we had not sent it: another LLM node
+        # shares the pool. Until then nothing is asked (`to_ask`): alone, a node knows what it sent where.
+        self.shared = False
 
     def applies(self, handles: Sequence[EncoderHandle]) -> bool:
         """On, and every candidate caches embeddings (one without a cache would forward every time)."""
@@ -204,6 +212,8 @@ class Affinity:
         would send elsewhere to be forwarded, not known held there or at the encoder chosen instead."""
         keys = [e.key for e in loads]
         ask: dict[int, list[str]] = {}
+        if not self.shared:
+            return ask
         for d, pick in zip(digests, self._picks(image_patches, digests, loads), strict=True):
             if self.held.holds(keys[pick], d):
                 continue
@@ -219,8 +229,11 @@ class Affinity:
                 if p:
                     self.held.learn(key, d)
 
-    def observe(self, key: Hashable, patches: int, digest: str, receive_seconds: float) -> None:
-        """A received embedding: its encoder now holds the digest; its receive time prices a transfer."""
+    def observe(self, key: Hashable, patches: int, digest: str, receive_seconds: float, cached: bool = False) -> None:
+        """A received embedding: its encoder now holds the digest; its receive time prices a transfer.
+        `cached`: it came from the encoder's cache."""
+        if cached and not self.held.holds(key, digest):
+            self.shared = True
         self.held.learn(key, digest)
         if receive_seconds > 0 and patches > 0:
             r = TRANSFER_RATE

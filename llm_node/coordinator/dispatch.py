@@ -314,7 +314,7 @@ class Dispatcher:
                     entry = self._check(emb, job, datatype)
                     timing.transfer = max(timing.transfer, emb.receive_seconds + time.perf_counter() - t0)
                     done.add(pos)
-                    self.affinity.observe(h.address, job.patches, job.digest, emb.receive_seconds)
+                    self.affinity.observe(h.address, job.patches, job.digest, emb.receive_seconds, emb.cached)
                     self.pool.complete_work(tickets[pos])
                     if fitted:
                         error = time.monotonic() - progress.sent_at - progress.finishes[pos]

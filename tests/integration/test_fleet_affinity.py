@@ -86,10 +86,10 @@ async def top_kept_busy(tiny_ckpt, top: str, b, image_patches: int, seed: int):
             await asyncio.gather(*streams)
 
 
-async def fitted(b) -> None:
-    """B's cost models of both encoders fitted with distinct images (never hits)."""
+async def fitted(b, seed: int) -> None:
+    """B's cost models of both encoders fitted with images new to the pool (never hits)."""
     await wait_for(lambda: len(b.pool.serving()) == 2, what="both encoders serving B")
-    await b.encode([png(200 + 14 * i, 200, seed=4300 + i) for i in range(4)])
+    await b.encode([png(200 + 14 * i, 200, seed=seed + i) for i in range(4)])
 
 
 async def test_a_hot_image_spreads_to_a_second_encoder_once_the_first_is_behind_but_is_not_encoded_50_times(
@@ -98,7 +98,7 @@ async def test_a_hot_image_spreads_to_a_second_encoder_once_the_first_is_behind_
     addresses = list(pool)
     # B has no cache of its own: every one of its 50 sends reaches the pool.
     async with coordinator(tiny_ckpt, addresses, cache_bytes=0) as b:
-        await fitted(b)
+        await fitted(b, 4300)
         (digest,) = b.digests([hot])
         top, second = (addresses[i] for i in rank(digest, addresses))
         forwards, hits = counts(pool, FORWARDS), counts(pool, HITS)
@@ -118,12 +118,17 @@ async def test_a_hot_image_spreads_to_a_second_encoder_once_the_first_is_behind_
 
 async def test_a_node_that_never_sent_an_image_finds_it_at_a_busy_top_encoder_without_a_forward(
         pool, tiny_ckpt) -> None:
-    img = png(240, 224, seed=47)
+    img, seen = png(240, 224, seed=47), png(250, 224, seed=48)
     addresses = list(pool)
     async with coordinator(tiny_ckpt, addresses) as first, coordinator(tiny_ckpt, addresses, cache_bytes=0) as b:
-        await fitted(b)
+        await fitted(b, 4400)
         await wait_for(lambda: len(first.pool.serving()) == 2, what="both encoders serving the first node")
-        (done,) = (await first.encode([img])).images
+        (done, _) = (await first.encode([img, seen])).images
+        # B learns that another node shares the pool (an encoder answers it from its cache an image
+        # B never sent there): only then does it ask before forwarding.
+        assert not b._dispatcher.affinity.shared
+        await b.encode([seen])
+        assert b._dispatcher.affinity.shared
         top = addresses[rank(done.digest, addresses)[0]]
         forwards, hits = counts(pool, FORWARDS), counts(pool, HITS)
         async with top_kept_busy(tiny_ckpt, top, b, 17 * 16, seed=90_000):

@@ -134,6 +134,14 @@ def test_images_to_be_forwarded_are_asked_of_their_two_top_encoders_first() -> N
     aff = Affinity(CoordinatorSettings())
     d, e = DIGESTS[5], DIGESTS[6]
     od, oe = rank(d, KEYS), rank(e, KEYS)
+    # Alone, a node knows what it sent where: nothing to ask until an encoder answers from its
+    # cache something this node never sent it (a hit on its own sends does not count).
+    assert aff.to_ask([1000], [d], loads([0.0] * 8)) == {}
+    aff.observe(KEYS[0], 1000, DIGESTS[7], 0.01)
+    aff.observe(KEYS[0], 1000, DIGESTS[7], 0.01, cached=True)
+    assert not aff.shared
+    aff.observe(KEYS[1], 1000, DIGESTS[8], 0.01, cached=True)
+    assert aff.shared
     ask = aff.to_ask([1000, 1000], [d, e], loads([0.0] * 8))
     assert {k: sorted(v) for k, v in ask.items()} == {
         k: sorted(x for x, o in ((d, od), (e, oe)) if k in o[:2]) for k in set(od[:2]) | set(oe[:2])}
