@@ -26,8 +26,9 @@ sent anywhere to be forwarded (not known held where it would go), the dispatcher
 top-ranked encoders, where affinity puts a digest (`to_ask`: EncoderService.Has, one round trip
 to each, in parallel; an answer counts a digest being computed there too, whose call would wait
 for that forward and run none). Among the encoders within the bound below, a known holder comes
-before a new forward. Only once the pool is seen shared (`Affinity.shared`): a node alone knows
-what it sent where and never pays the round trip. So on a loaded pool each image is still
+before a new forward. Only once the pool is seen shared (`Affinity.shared`: an encoder answered
+from its cache a digest we never sent it, or its load report shows images in flight that cannot
+be ours): a node alone knows what it sent where and never pays the round trip. So on a loaded pool each image is still
 encoded about once per fleet (a digest spilt to the second encoder is found there, not forwarded
 again at the top), and images nobody holds keep the bound. The cost, in a shared pool: that
 round trip on every image that is forwarded.
@@ -57,6 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
@@ -66,6 +68,8 @@ from .assignment import EncoderLoad, Spread, assign
 if TYPE_CHECKING:
     from .expectation import PendingImage
     from .handle import EncoderHandle
+    from .load_reports import LoadReport
+    from .pool import EncoderPool
     from .settings import CoordinatorSettings
 
 # Digests remembered per encoder: a few hundred KB of strings, far more than an encoder's cache
@@ -184,6 +188,7 @@ class Affinity:
         # Set once an encoder answered from its cache a digest we had not sent it: another LLM node
         # shares the pool. Until then nothing is asked (`to_ask`): alone, a node knows what it sent where.
         self.shared = False
+        self._last_received: dict[Hashable, float] = {}  # per encoder: when our last embedding from it arrived
 
     def applies(self, handles: Sequence[EncoderHandle]) -> bool:
         """On, and every candidate caches embeddings (one without a cache would forward every time)."""
@@ -221,6 +226,14 @@ class Affinity:
                 ask.setdefault(e, []).append(d)
         return ask
 
+    def see_report(self, key: Hashable, report: LoadReport | None, own_patches: int) -> None:
+        """Shared as well when an encoder's load report shows images in flight while none of ours can
+        be: we have nothing outstanding there and our last embedding from it arrived before the
+        report was made. Those images are another LLM node's."""
+        if (report is not None and report.images_in_flight > 0 and own_patches == 0
+                and self._last_received.get(key, float("-inf")) < report.made()):
+            self.shared = True
+
     def answers(self, key: Hashable, digests: Sequence[str], present: Sequence[bool]) -> None:
         """What encoder `key` answered to Has(digests). An answer of another length than the
         question is not trusted (nothing learnt)."""
@@ -235,20 +248,26 @@ class Affinity:
         if cached and not self.held.holds(key, digest):
             self.shared = True
         self.held.learn(key, digest)
+        self._last_received[key] = time.monotonic()
         if receive_seconds > 0 and patches > 0:
             r = TRANSFER_RATE
             self.transfer_seconds_per_patch += r * (receive_seconds / patches - self.transfer_seconds_per_patch)
 
 
 
-async def ask_holders(affinity: Affinity, candidates: Sequence[EncoderHandle], loads: Sequence[EncoderLoad],
+async def ask_holders(affinity: Affinity, pool: EncoderPool, candidates: Sequence[EncoderHandle],
                       jobs: Sequence[PendingImage], asked: set[tuple[str, str]]) -> bool:
     """Ask the top-ranked encoders (EncoderService.Has) about the images `affinity.to_ask` names,
     each (encoder, digest) once per request (`asked`); True if it asked (it awaited: plan again).
     An encoder that fails or is slow to answer is taken to hold nothing: the image goes elsewhere."""
     if not affinity.applies(candidates):
         return False
+    if not affinity.shared:
+        for h in candidates:
+            affinity.see_report(h.address, h.reports.latest if h.reports is not None else None,
+                                pool.backlog_patches(h))
     questions = []
+    loads = pool.loads(candidates)
     for e, ds in affinity.to_ask([j.patches for j in jobs], [j.digest for j in jobs], loads).items():
         new = [d for d in dict.fromkeys(ds) if (candidates[e].address, d) not in asked]
         if new:

@@ -121,7 +121,7 @@ class Dispatcher:
             shift = self._rotation % len(candidates)
             candidates = candidates[shift:] + candidates[:shift]
             jobs = sorted(remaining.values(), key=lambda j: j.index)
-            if await ask_holders(self.affinity, candidates, self.pool.loads(candidates), jobs, asked):
+            if await ask_holders(self.affinity, self.pool, candidates, jobs, asked):
                 continue  # asked (awaited): plan again with the pool and what they hold as they are now
             calls = self._plan(candidates, jobs)
             # Held from now (no await since `_routable`), so a DNS refresh cannot close them under us.

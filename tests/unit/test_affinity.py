@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import time
 from collections import Counter
 from types import SimpleNamespace
 
@@ -11,6 +13,7 @@ import pytest
 from encdis.llm_node.coordinator.affinity import Affinity, HeldDigests, affinity_assign, rank
 from encdis.llm_node.coordinator.assignment import EncoderLoad, assign
 from encdis.llm_node.coordinator.cost_model import CostModel
+from encdis.llm_node.coordinator.load_reports import LoadReport
 from encdis.llm_node.coordinator.settings import CoordinatorSettings
 
 DIGESTS = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(4000)]
@@ -142,6 +145,18 @@ def test_images_to_be_forwarded_are_asked_of_their_two_top_encoders_first() -> N
     assert not aff.shared
     aff.observe(KEYS[1], 1000, DIGESTS[8], 0.01, cached=True)
     assert aff.shared
+    # Or a load report of images in flight that cannot be ours: none outstanding there, and our
+    # last embedding from it arrived before the report was made.
+    other = Affinity(CoordinatorSettings())
+    other.observe(KEYS[0], 1000, DIGESTS[7], 0.01)
+    busy = LoadReport(queued_patches=500.0, images_in_flight=2.0, drain_seconds=0.1, utilization=0.5,
+                      received_at=time.monotonic() - 10.0)  # made before our embedding arrived: may be ours
+    other.see_report(KEYS[0], busy, own_patches=0)
+    other.see_report(KEYS[0], dataclasses.replace(busy, received_at=time.monotonic()), own_patches=300)
+    other.see_report(KEYS[0], dataclasses.replace(busy, images_in_flight=0.0, received_at=time.monotonic()), 0)
+    assert not other.shared
+    other.see_report(KEYS[0], dataclasses.replace(busy, received_at=time.monotonic()), own_patches=0)
+    assert other.shared
     ask = aff.to_ask([1000, 1000], [d, e], loads([0.0] * 8))
     assert {k: sorted(v) for k, v in ask.items()} == {
         k: sorted(x for x, o in ((d, od), (e, oe)) if k in o[:2]) for k in set(od[:2]) | set(oe[:2])}
