@@ -28,10 +28,12 @@ to each, in parallel; an answer counts a digest being computed there too, whose 
 for that forward and run none). Among the encoders within the bound below, a known holder comes
 before a new forward. Only once the pool is seen shared (`Affinity.shared`: an encoder answered
 from its cache a digest we never sent it, or its load report shows images in flight that cannot
-be ours): a node alone knows what it sent where and never pays the round trip. So on a loaded pool each image is still
-encoded about once per fleet (a digest spilt to the second encoder is found there, not forwarded
-again at the top), and images nobody holds keep the bound. The cost, in a shared pool: that
-round trip on every image that is forwarded.
+be ours): a node alone knows what it sent where and never pays the round trip. And not after
+FRUITLESS_ASKS digests in a row were held by neither encoder (traffic whose images do not repeat
+across nodes), until a reply shows another node's image again. So on a loaded pool each image is
+still encoded about once per fleet (a digest spilt to the second encoder is found there, not
+forwarded again at the top), and images nobody holds keep the bound. The cost, in a shared pool whose
+images repeat: that round trip on every image that is forwarded.
 
 Bounded load: images go largest first, as in assignment.assign, and finish(e) is the same
 prediction (backlog + this request's images on e + this image), except at an encoder known to
@@ -84,6 +86,9 @@ MEAN_COST_RATE = 0.01  # weight of each image in the moving mean forward cost (~
 HAS_TIMEOUT_SECONDS = 0.5
 # Where a digest can be: its top encoder, or the next ranked when the top was too far behind.
 ASK_RANKS = 2
+# Asking stops after this many digests in a row were held by neither (images that do not repeat
+# across nodes), until a reply shows another node's image again.
+FRUITLESS_ASKS = 32
 
 
 def weight(key: str, digest: str) -> int:
@@ -188,6 +193,7 @@ class Affinity:
         # Set once an encoder answered from its cache a digest we had not sent it: another LLM node
         # shares the pool. Until then nothing is asked (`to_ask`): alone, a node knows what it sent where.
         self.shared = False
+        self._fruitless = 0  # digests asked since an answer or a reply last showed one held elsewhere
         self._last_received: dict[Hashable, float] = {}  # per encoder: when our last embedding from it arrived
 
     def applies(self, handles: Sequence[EncoderHandle]) -> bool:
@@ -217,7 +223,7 @@ class Affinity:
         would send elsewhere to be forwarded, not known held there or at the encoder chosen instead."""
         keys = [e.key for e in loads]
         ask: dict[int, list[str]] = {}
-        if not self.shared:
+        if not self.shared or self._fruitless >= FRUITLESS_ASKS:
             return ask
         for d, pick in zip(digests, self._picks(image_patches, digests, loads), strict=True):
             if self.held.holds(keys[pick], d):
@@ -241,12 +247,13 @@ class Affinity:
             for d, p in zip(digests, present, strict=True):
                 if p:
                     self.held.learn(key, d)
+            self._fruitless = 0 if any(present) else self._fruitless + len(digests)
 
     def observe(self, key: Hashable, patches: int, digest: str, receive_seconds: float, cached: bool = False) -> None:
         """A received embedding: its encoder now holds the digest; its receive time prices a transfer.
         `cached`: it came from the encoder's cache."""
-        if cached and not self.held.holds(key, digest):
-            self.shared = True
+        if cached and not self.held.holds(key, digest):  # another node's image: worth asking again
+            self.shared, self._fruitless = True, 0
         self.held.learn(key, digest)
         self._last_received[key] = time.monotonic()
         if receive_seconds > 0 and patches > 0:

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from encdis.llm_node.coordinator.affinity import Affinity, HeldDigests, affinity_assign, rank
+from encdis.llm_node.coordinator.affinity import FRUITLESS_ASKS, Affinity, HeldDigests, affinity_assign, rank
 from encdis.llm_node.coordinator.assignment import EncoderLoad, assign
 from encdis.llm_node.coordinator.cost_model import CostModel
 from encdis.llm_node.coordinator.load_reports import LoadReport
@@ -167,6 +167,12 @@ def test_images_to_be_forwarded_are_asked_of_their_two_top_encoders_first() -> N
     aff.answers(KEYS[od[1]], [d], [True])
     assert aff.assign([1000], [d], loads([0.0] * 8)) == [od[1]]
     assert all(d not in v for v in aff.to_ask([1000], [d], loads([0.0] * 8)).values())
+    # Images that repeat across nodes nowhere: asking stops, until a reply shows one that does.
+    fresh = DIGESTS[1000:1000 + FRUITLESS_ASKS]
+    aff.answers(KEYS[0], fresh, [False] * len(fresh))
+    assert aff.to_ask([1000], [e], loads([0.0] * 8)) == {}
+    aff.observe(KEYS[2], 1000, DIGESTS[9], 0.01, cached=True)
+    assert aff.to_ask([1000], [e], loads([0.0] * 8)) != {}
 
 
 def test_non_repeating_images_stay_balanced() -> None:
