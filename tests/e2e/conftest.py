@@ -13,6 +13,7 @@ Images are generated deterministically, as the demo's (no package here ships pho
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from encdis.client import GenerateClient
+from encdis.client import AsyncGenerateClient, GenerateClient
 from encdis.launcher import NodeProcess, start_node
 from encdis.llm_node.demo import synthetic_photo
 from encdis.llm_node.reference import Case
@@ -77,6 +78,16 @@ CONCURRENT = [f"c{i}" for i in range(8)]
 
 def concurrent_cases(cases: dict[str, Case]) -> list[Case]:
     return [c for name, c in cases.items() if name.split("_")[0] in CONCURRENT]
+
+
+async def concurrent_token_ids(address: str, cases: dict[str, Case]) -> dict[str, list[int]]:
+    """Greedy token ids per case of the eight concurrent requests, all sent to `address` at once."""
+    chosen = concurrent_cases(cases)
+    assert len(chosen) == 8
+    async with AsyncGenerateClient(address, timeout=600) as client:
+        results = await asyncio.gather(*(
+            client.generate(c.prompt, c.images, max_tokens=c.max_tokens, ignore_eos=True) for c in chosen))
+    return {c.name: r.token_ids for c, r in zip(chosen, results, strict=True)}
 
 
 def reference_tokens(config: pytest.Config, model: Path, cases: Iterable[Case], work: Path,

@@ -8,16 +8,15 @@ different sizes in one request (in two orders), and for eight concurrent request
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
 
 import pytest
 
-from encdis.client import AsyncGenerateClient, GenerateClient, InvalidArgument
+from encdis.client import GenerateClient, InvalidArgument
 from encdis.client.errors import IMAGE_INVALID
-from tests.e2e.conftest import concurrent_cases
+from tests.e2e.conftest import concurrent_token_ids
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
@@ -64,13 +63,8 @@ def test_last_message_reports_usage_and_time_split(llm_node, equality_cases):
 
 
 async def test_eight_concurrent_requests_equal_monolithic(monolithic, llm_node, equality_cases):
-    cases = concurrent_cases(equality_cases)
-    assert len(cases) == 8
-    async with AsyncGenerateClient(llm_node.address, timeout=600) as client:
-        results = await asyncio.gather(*(
-            client.generate(c.prompt, c.images, max_tokens=c.max_tokens, ignore_eos=True) for c in cases))
-    got = {c.name: r.token_ids for c, r in zip(cases, results, strict=True)}
-    assert got == {c.name: monolithic[c.name] for c in cases}
+    got = await concurrent_token_ids(llm_node.address, equality_cases)
+    assert got == {name: monolithic[name] for name in got}
 
 
 def test_images_are_spread_over_both_encoders(llm_node, encoder_nodes, equality_cases):

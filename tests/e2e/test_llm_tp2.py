@@ -13,17 +13,16 @@ four images, one repeated) equal it too: their embeddings go through the handoff
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from encdis.client import AsyncGenerateClient, GenerateClient
+from encdis.client import GenerateClient
 from encdis.launcher import NodeProcess, start_node
 from encdis.tiny_checkpoint import make_tiny_checkpoint
-from tests.e2e.conftest import concurrent_cases, encoder_processes, reference_tokens
+from tests.e2e.conftest import concurrent_cases, concurrent_token_ids, encoder_processes, reference_tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
@@ -86,10 +85,5 @@ def test_tp2_tokens_equal_monolithic_tp2_and_each_embedding_arrives_once(
 
 
 async def test_tp2_eight_concurrent_requests_equal_monolithic_tp2(monolithic_tp2, llm_node_tp2, equality_cases):
-    cases = concurrent_cases(equality_cases)
-    assert len(cases) == 8
-    async with AsyncGenerateClient(llm_node_tp2.address, timeout=600) as client:
-        results = await asyncio.gather(*(
-            client.generate(c.prompt, c.images, max_tokens=c.max_tokens, ignore_eos=True) for c in cases))
-    got = {c.name: r.token_ids for c, r in zip(cases, results, strict=True)}
-    assert got == {c.name: monolithic_tp2[c.name] for c in cases}
+    got = await concurrent_token_ids(llm_node_tp2.address, equality_cases)
+    assert got == {name: monolithic_tp2[name] for name in got}
