@@ -13,6 +13,8 @@ API:
         .assign(patches, digests, loads)     encoder index per image (as assignment.assign)
         .to_ask(patches, digests, loads)     {encoder index: digests} worth an EncoderService.Has first
         .answers(key, digests, present)      learn what Has answered
+        .see_report(key, report, own_patches)  a load report showing another node's work: shared
+    ask_holders(affinity, pool, candidates, jobs, asked)  the dispatcher's Has round, before planning
         .observe(key, patches, digest, receive_seconds)  from each received embedding
 
 Ranking is rendezvous (highest random weight) hashing: weight(encoder, digest) is a hash of the
@@ -32,8 +34,8 @@ be ours): a node alone knows what it sent where and never pays the round trip. A
 FRUITLESS_ASKS digests in a row were held by neither encoder (traffic whose images do not repeat
 across nodes), until a reply shows another node's image again. So on a loaded pool each image is
 still encoded about once per fleet (a digest spilt to the second encoder is found there, not
-forwarded again at the top), and images nobody holds keep the bound. The cost, in a shared pool whose
-images repeat: that round trip on every image that is forwarded.
+forwarded again at the top), and images nobody holds keep the bound. The cost, in a shared pool
+whose images repeat: that round trip on every image that is forwarded.
 
 Bounded load: images go largest first, as in assignment.assign, and finish(e) is the same
 prediction (backlog + this request's images on e + this image), except at an encoder known to
@@ -190,8 +192,7 @@ class Affinity:
         self.held = held or HeldDigests()
         self.transfer_seconds_per_patch = TRANSFER_PRIOR_SECONDS_PER_PATCH
         self.mean_cost: float | None = None  # moving mean of images' predicted forward seconds
-        # Set once an encoder answered from its cache a digest we had not sent it: another LLM node
-        # shares the pool. Until then nothing is asked (`to_ask`): alone, a node knows what it sent where.
+        # Another LLM node shares the pool (module docstring): until then nothing is asked (`to_ask`).
         self.shared = False
         self._fruitless = 0  # digests asked since an answer or a reply last showed one held elsewhere
         self._last_received: dict[Hashable, float] = {}  # per encoder: when our last embedding from it arrived
@@ -217,13 +218,18 @@ class Affinity:
         return affinity_assign(image_patches, digests, loads, slack=self.slack, held=self.held,
                                transfer_seconds_per_patch=self.transfer_seconds_per_patch, cap_seconds=self.mean_cost)
 
+    @property
+    def asking(self) -> bool:
+        """Whether Has is worth asking now: the pool is shared and answers have not been fruitless."""
+        return self.shared and self._fruitless < FRUITLESS_ASKS
+
     def to_ask(self, image_patches: Sequence[int], digests: Sequence[str],
                loads: Sequence[EncoderLoad]) -> dict[int, list[str]]:
-        """Digests to ask their top-ranked encoder about (by its index in `loads`): those `assign`
-        would send elsewhere to be forwarded, not known held there or at the encoder chosen instead."""
+        """Digests to ask about, by encoder index in `loads`: each image `assign` would forward (not
+        known held where it goes), of its ASK_RANKS top-ranked encoders; none unless `asking`."""
         keys = [e.key for e in loads]
         ask: dict[int, list[str]] = {}
-        if not self.shared or self._fruitless >= FRUITLESS_ASKS:
+        if not self.asking:
             return ask
         for d, pick in zip(digests, self._picks(image_patches, digests, loads), strict=True):
             if self.held.holds(keys[pick], d):
@@ -261,7 +267,6 @@ class Affinity:
             self.transfer_seconds_per_patch += r * (receive_seconds / patches - self.transfer_seconds_per_patch)
 
 
-
 async def ask_holders(affinity: Affinity, pool: EncoderPool, candidates: Sequence[EncoderHandle],
                       jobs: Sequence[PendingImage], asked: set[tuple[str, str]]) -> bool:
     """Ask the top-ranked encoders (EncoderService.Has) about the images `affinity.to_ask` names,
@@ -273,9 +278,10 @@ async def ask_holders(affinity: Affinity, pool: EncoderPool, candidates: Sequenc
         for h in candidates:
             affinity.see_report(h.address, h.reports.latest if h.reports is not None else None,
                                 pool.backlog_patches(h))
+    if not affinity.asking:
+        return False
     questions = []
-    loads = pool.loads(candidates)
-    for e, ds in affinity.to_ask([j.patches for j in jobs], [j.digest for j in jobs], loads).items():
+    for e, ds in affinity.to_ask([j.patches for j in jobs], [j.digest for j in jobs], pool.loads(candidates)).items():
         new = [d for d in dict.fromkeys(ds) if (candidates[e].address, d) not in asked]
         if new:
             asked.update((candidates[e].address, d) for d in new)

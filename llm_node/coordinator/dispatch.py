@@ -2,7 +2,7 @@
 
 Each round assigns the images still missing (assignment.assign: decreasing cost, earliest predicted
 finish over the SERVING encoders' cost models and backlogs; with caching encoders affinity.py's
-digest affinity, after asking top-ranked encoders whether they hold images about to go elsewhere)
+digest affinity, in a pool shared with other LLM nodes after asking where images may be held)
 and runs one Encode stream per chosen encoder concurrently. Each embedding, as it arrives, is
 checked against what the coordinator knows before any encoder answers (the image's grid from its
 header, rows = t*h*w / merge_size**2, the LLM's hidden size, the pool's datatype, our own digest),
