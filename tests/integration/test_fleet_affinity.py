@@ -129,11 +129,15 @@ async def test_a_node_that_never_sent_an_image_finds_it_at_a_busy_encoder_withou
         assert not b._dispatcher.affinity.shared  # nothing yet tells B that another node uses the pool
         forwards, hits = counts(pool, FORWARDS), counts(pool, HITS)
         async with top_kept_busy(tiny_ckpt, holder, b, 17 * 16, seed=90_000):
-            # Its load report shows B work that is not B's: another node shares the pool. B does
-            # not know the holder has the image and, that far behind, would forward it at the
-            # other encoder: it asks first (EncoderService.Has) and is answered from the cache.
+            # The holder's load reports show B work that is not B's: another node shares the pool
+            # (read as B reads them before planning a request, until one is read while it works).
+            h = next(h for h in b.pool.encoders() if h.address == holder)
+            affinity = b._dispatcher.affinity
+            await wait_for(lambda: affinity.see_report(holder, h.reports.latest, b.pool.backlog_patches(h))
+                           or affinity.shared, what="B seeing another node's work on the holder")
+            # B does not know the holder has the image and, that far behind, would forward it at
+            # the other encoder: it asks first (EncoderService.Has) and is answered from the cache.
             (emb,) = (await b.encode([img])).images
-        assert b._dispatcher.affinity.shared
     assert emb.digest == done.digest and torch.equal(emb.embeds, done.embeds)
     assert delta(counts(pool, HITS), hits)[holder] == 1
     other = next(a for a in addresses if a != holder)
