@@ -77,6 +77,17 @@ def generate_round_seconds(address: str, images: list[bytes], calls: int, salt: 
         return (time.perf_counter() - t0) / calls
 
 
+def checkpoint(model: Path | None, tmp: str) -> Path:
+    """`model`, or a tiny checkpoint made in `tmp` for the run."""
+    if model is not None:
+        return model
+    from encdis.tiny_checkpoint import make_tiny_checkpoint
+
+    made = Path(tmp) / "tiny"
+    make_tiny_checkpoint(made)
+    return made
+
+
 def start_stacks(model: Path, target: str, endpoint: str) -> dict[str, list]:
     """Per mode, its node processes (the one calls go to last), ready."""
     from encdis.launcher import NodeProcess
@@ -119,12 +130,7 @@ def main() -> int:
     from tests.otlp_receiver import OtlpReceiver
 
     with tempfile.TemporaryDirectory() as tmp, OtlpReceiver() as rx:
-        model = args.model
-        if model is None:
-            from encdis.tiny_checkpoint import make_tiny_checkpoint
-
-            model = Path(tmp) / "tiny"
-            make_tiny_checkpoint(model)
+        model = checkpoint(args.model, tmp)
         stacks = start_stacks(model, args.target, rx.address)
         try:
             images = [png(448, 448, i) for i in range(args.images)]
