@@ -164,22 +164,23 @@ class EncoderPool:
         self._backlog.complete(ticket, time.monotonic())
 
     def backlog_seconds(self, h: EncoderHandle, seen_only: bool = False) -> float:
-        """Predicted seconds of work queued on `h`, plus what a recent RESOURCE_EXHAUSTED adds.
+        """Predicted seconds of work queued on `h`, plus what a recent RESOURCE_EXHAUSTED adds. With load
+        reports: what its last fresh report says, with our own work since, never less than our own view;
+        plus its measured lateness (load_reports.predicted_backlog) and the work other coordinators sent
+        it that the report cannot show yet (UnseenWork); `seen_only`: without those two estimates."""
+        seen, whole = self._backlogs(h)
+        return seen if seen_only else whole
 
-        With load reports: what its last fresh report says, with our own work since, and never
-        less than our own view; plus its measured lateness (load_reports.predicted_backlog), and
-        the work other coordinators sent it that the report cannot show yet (UnseenWork).
-        `seen_only`: without those two estimates (EncoderLoad.seen_backlog_seconds)."""
+    def _backlogs(self, h: EncoderHandle) -> tuple[float, float]:
+        """(seen only, whole) backlog_seconds of `h`, computed once."""
         now = time.monotonic()
         own = self._backlog.seconds(h.address, h.cost_model, now) + max(0.0, h.busy_until - now)
         if h.reports is None:
-            return own
+            return own, own
         report = h.reports.latest
         after = self._backlog.outstanding_since(h.address, report.made()) if report is not None else []
         seen = predicted_backlog(report, own, after, h.cost_model, now, self.report_max_age, 0.0)
-        if seen_only:
-            return seen
-        return seen + h.lateness.seconds(now) + self._unseen.seconds(h.address, report, now, self.report_max_age)
+        return seen, seen + h.lateness.seconds(now) + self._unseen.seconds(h.address, report, now, self.report_max_age)
 
     def spread(self, handles: Sequence[EncoderHandle]) -> Spread | None:
         """The `spread` argument of assignment.assign: other coordinators' work that the reports of
@@ -201,8 +202,8 @@ class EncoderPool:
 
     def loads(self, handles: Sequence[EncoderHandle]) -> list[EncoderLoad]:
         """The `encoders` argument of assignment.assign for these handles."""
-        return [EncoderLoad(h.address, self.backlog_seconds(h), h.cost_model, self.backlog_seconds(h, True))
-                for h in handles]
+        return [EncoderLoad(h.address, whole, h.cost_model, seen)  # both backlogs from one computation
+                for h, (seen, whole) in ((h, self._backlogs(h)) for h in handles)]
 
     # -- what the coordinator reports ------------------------------------------------
 
