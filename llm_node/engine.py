@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from encdis.client.errors import InvalidArgument, Unavailable
+from encdis.client.errors import InvalidArgument, ResourceExhausted, Unavailable
 from encdis.llm_node.coordinator.records import ImageEmbedding
-from encdis.llm_node.handoff import EmbeddingHandoff
+from encdis.llm_node.embedding_region import EmbeddingRegion
+from encdis.llm_node.handoff import EmbeddingHandoff, RegionHandoff
 from encdis.llm_node.settings import LLMSettings
 
 log = logging.getLogger(__name__)
@@ -140,8 +141,12 @@ def resolve_dtype(dtype: str, cpu: bool) -> str:
     return "float32" if cpu else "auto"
 
 
-def engine_kwargs(settings: LLMSettings, *, tower: bool, max_images: int = 16) -> dict[str, Any]:
-    """AsyncEngineArgs for the node (tower=False) or the monolithic reference (tower=True)."""
+def engine_kwargs(settings: LLMSettings, *, tower: bool, max_images: int = 16,
+                  region: str | None = None) -> dict[str, Any]:
+    """AsyncEngineArgs for the node (tower=False) or the monolithic reference (tower=True).
+
+    `region`: the node's shared region (llm_node/embedding_region.py); its workers then take
+    embeddings from it through encdis's encoder-cache connector."""
     cpu = is_cpu()
     kw: dict[str, Any] = dict(
         model=settings.model,
@@ -179,6 +184,15 @@ def engine_kwargs(settings: LLMSettings, *, tower: bool, max_images: int = 16) -
             # serialising them; vLLM supports it with a single rank only.
             ipc = "torch_shm" if settings.tp == 1 else "direct_rpc"
         kw["mm_tensor_ipc"] = ipc
+        if region is not None:
+            from vllm.config import ECTransferConfig
+
+            from encdis.llm_node.ec_connector import CONNECTOR_NAME
+
+            kw["ec_transfer_config"] = ECTransferConfig(
+                ec_connector=CONNECTOR_NAME, ec_role="ec_consumer",
+                ec_connector_module_path="encdis.llm_node.ec_connector",
+                ec_connector_extra_config={"region": region})
     return kw
 
 
@@ -217,8 +231,12 @@ class EngineHost:
     def __init__(self, settings: LLMSettings, *, tower: bool = False, max_images: int = 16) -> None:
         self.settings = settings
         self.tower = tower
-        self.kwargs = engine_kwargs(settings, tower=tower, max_images=max_images)
-        self.handoff = EmbeddingHandoff(shared_memory=self.kwargs.get("mm_tensor_ipc") == "torch_shm")
+        self.region = EmbeddingRegion() if not tower and settings.handoff == "region" else None
+        self.kwargs = engine_kwargs(settings, tower=tower, max_images=max_images,
+                                    region=self.region.path if self.region else None)
+        self.handoff: EmbeddingHandoff | RegionHandoff = (
+            RegionHandoff(self.region) if self.region else
+            EmbeddingHandoff(shared_memory=self.kwargs.get("mm_tensor_ipc") == "torch_shm"))
         self._llm = None
 
     @property
@@ -241,6 +259,8 @@ class EngineHost:
         prepare_environment(self.settings, self.kwargs)
         t0 = time.monotonic()
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.kwargs))
+        if self.region is not None:
+            self.region.dtype = self._llm.model_config.dtype  # the rows the workers map are the engine's dtype
         log.info("vLLM engine ready in %.1fs (%s)", time.monotonic() - t0,
                  "tower loaded" if self.tower else "vision tower not loaded, embeddings in")
 
@@ -257,10 +277,24 @@ class EngineHost:
         """Stream a completion. Node: `images` (embeddings). Reference: `raw_images` (PIL).
         `trace_headers`: W3C trace context (traceparent) vLLM's request span joins."""
         inputs: dict[str, Any] = {"prompt": prompt}
-        if images:
-            inputs["multi_modal_data"], inputs["multi_modal_uuids"] = await self.handoff.mm_data(images)
-        elif raw_images:
+        if raw_images:
             inputs["multi_modal_data"] = {"image": list(raw_images)}
+        if not images:
+            async for delta in self._generate(inputs, sampling, request_id, trace_headers):
+                yield delta
+            return
+        try:
+            inputs["multi_modal_data"], inputs["multi_modal_uuids"] = await self.handoff.mm_data(images)
+        except OSError as e:
+            raise ResourceExhausted(f"no room for the request's embeddings in the shared region ({e})") from None
+        try:
+            async for delta in self._generate(inputs, sampling, request_id, trace_headers):
+                yield delta
+        finally:
+            self.handoff.done(images)  # however the request ended
+
+    async def _generate(self, inputs: dict[str, Any], sampling: SamplingSpec, request_id: str | None,
+                        trace_headers: Mapping[str, str] | None) -> AsyncIterator[GenerationDelta]:
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -302,3 +336,4 @@ class EngineHost:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+        self.handoff.close()

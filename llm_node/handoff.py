@@ -83,7 +83,10 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from encdis.llm_node.coordinator.records import ImageEmbedding
+from encdis.llm_node.embedding_region import EmbeddingRegion
 
 
 def embeds_mm_data(images: Sequence[ImageEmbedding]) -> tuple[dict[str, Any], dict[str, list[str]]]:
@@ -91,8 +94,6 @@ def embeds_mm_data(images: Sequence[ImageEmbedding]) -> tuple[dict[str, Any], di
 
     One image's tensor goes in as it is; several are concatenated (vLLM splits them back by
     grid), a copy of every byte, so callers run it off the event loop."""
-    import torch
-
     embeds = images[0].embeds if len(images) == 1 else torch.cat([im.embeds for im in images], dim=0)
     grid = torch.tensor([list(im.grid_thw) for im in images], dtype=torch.int64)
     return ({"image": {"image_embeds": embeds, "image_grid_thw": grid}},
@@ -100,7 +101,8 @@ def embeds_mm_data(images: Sequence[ImageEmbedding]) -> tuple[dict[str, Any], di
 
 
 class EmbeddingHandoff:
-    """Builds a request's multimodal inputs; every copy of embedding bytes runs in a worker thread."""
+    """The "embeds" route: builds a request's `image_embeds`; every copy of embedding bytes runs in a
+    worker thread."""
 
     def __init__(self, shared_memory: bool) -> None:
         # True where vLLM sends tensors through shared memory (torch_shm): they are moved there here.
@@ -112,6 +114,12 @@ class EmbeddingHandoff:
         if len(images) == 1 and not self._needs_share(images[0].embeds):
             return embeds_mm_data(images)  # nothing to copy: no thread hop
         return await asyncio.to_thread(self._build, images)
+
+    def done(self, images: Sequence[ImageEmbedding]) -> None:
+        """The request that `mm_data` was built for has ended (nothing is held for it here)."""
+
+    def close(self) -> None:
+        """Nothing to remove: vLLM owns its copies."""
 
     def _needs_share(self, tensor: Any) -> bool:
         return self.shared_memory and tensor.is_cpu and not tensor.is_shared()
@@ -125,3 +133,23 @@ class EmbeddingHandoff:
             if self._needs_share(embeds):  # False where another request moved the same cached tensor
                 embeds.share_memory_()
         return mm, uuids
+
+
+class RegionHandoff:
+    """The "region" route: the rows go into the shared region (written in a worker thread, once per
+    digest while a request holds it); the request carries only digests and grids."""
+
+    def __init__(self, region: EmbeddingRegion) -> None:
+        self.region = region
+
+    async def mm_data(self, images: Sequence[ImageEmbedding]) -> tuple[dict[str, Any], dict[str, list[str]]]:
+        """Hold `images` in the region for one request (release with `done`, however it ends)."""
+        await asyncio.to_thread(self.region.acquire, [(im.digest, im.embeds) for im in images])
+        grid = torch.tensor([list(im.grid_thw) for im in images], dtype=torch.int64)
+        return {"image": {"image_grid_thw": grid}}, {"image": [im.digest for im in images]}
+
+    def done(self, images: Sequence[ImageEmbedding]) -> None:
+        self.region.release([im.digest for im in images])
+
+    def close(self) -> None:
+        self.region.close()

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
     from encdis.llm_node.admission import Admission
+    from encdis.llm_node.embedding_region import EmbeddingRegion
 
 # Seconds; from sub-millisecond cache hits to multi-minute long generations.
 TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -40,6 +41,10 @@ class LLMNodeMetrics:
                                        registry=registry)
         self.admitted_embedding_bytes = Gauge("encdis_admission_embedding_bytes",
                                               "Embedding bytes reserved by admitted requests", registry=registry)
+        self.region_embeddings = Gauge("encdis_region_embeddings",
+                                       "Embeddings in the shared region, held by requests in flight", registry=registry)
+        self.region_bytes = Gauge("encdis_region_bytes", "Bytes of the embeddings in the shared region",
+                                  registry=registry)
         self.images = Counter("encdis_request_images_total", "Images received in Generate requests",
                               registry=registry)
         self.prompt_tokens = Counter("encdis_prompt_tokens_total", "Prompt tokens (image tokens included)",
@@ -60,6 +65,11 @@ class LLMNodeMetrics:
         """Export `admission`'s counters (requests holding a slot, embedding bytes reserved)."""
         self.admitted_requests.set_function(lambda: admission.requests)
         self.admitted_embedding_bytes.set_function(lambda: admission.embedding_bytes)
+
+    def watch_region(self, region: EmbeddingRegion) -> None:
+        """Export the shared region's embeddings and bytes (0 when no request holds any)."""
+        self.region_embeddings.set_function(lambda: region.entries)
+        self.region_bytes.set_function(lambda: region.nbytes)
 
     def observe_split(self, **seconds: float) -> None:
         for part, value in seconds.items():

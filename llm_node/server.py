@@ -123,6 +123,8 @@ async def _serve(settings: LLMSettings, engine: EngineHost, exposure: Exposure) 
     coordinator = CoordinatorThread(pool_coordinator)
     await coordinator.start()
     service = GenerationService(settings, engine, coordinator, PromptRenderer(settings.model), metrics)
+    if engine.region is not None:
+        metrics.watch_region(engine.region)
     servicer = GenerateServicer(settings, service, coordinator)
 
     server = grpc.aio.server(interceptors=[*auth_interceptors(exposure.api_keys), serving.ErrorMappingInterceptor()],

@@ -20,6 +20,7 @@ from encdis.settings_flags import DTYPES
 from encdis.tls import check_flags as check_tls_flags
 
 MM_TENSOR_IPC = ("auto", "torch_shm", "direct_rpc")
+HANDOFFS = ("region", "embeds")
 # gRPC calls beyond the requests admitted: health checks and watches, ListEncoders, reflection,
 # and the calls being refused with RESOURCE_EXHAUSTED by admission.
 RPC_HEADROOM = 64
@@ -43,7 +44,10 @@ class LLMSettings:
     max_num_seqs: int = 16
     kv_cache_gib: float = 1.0  # CPU only: VLLM_CPU_KVCACHE_SPACE when not already set
     gpu_memory_utilization: float = 0.9
-    mm_tensor_ipc: str = "auto"  # "auto": torch_shm when tp == 1, else direct_rpc
+    # "region": embeddings reach vLLM's workers through the shared region and encdis's encoder-cache
+    # connector; "embeds": through vLLM's request path as image_embeds (llm_node/handoff.py).
+    handoff: str = "region"
+    mm_tensor_ipc: str = "auto"  # "auto": torch_shm when tp == 1, else direct_rpc (handoff "embeds")
     # vLLM's own multimodal cache would hold a second copy of embeddings the coordinator's cache
     # already keeps: off unless asked for, so the node's memory is what --cache-bytes says.
     mm_processor_cache_gb: float = 0.0
@@ -88,6 +92,8 @@ class LLMSettings:
             raise ValueError(f"--tp must be >= 1, got {self.tp}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.handoff not in HANDOFFS:
+            raise ValueError(f"--handoff must be one of {HANDOFFS}, got {self.handoff!r}")
         if self.mm_tensor_ipc not in MM_TENSOR_IPC:
             raise ValueError(f"--mm-tensor-ipc must be one of {MM_TENSOR_IPC}, got {self.mm_tensor_ipc!r}")
         if self.mm_processor_cache_gb < 0:
@@ -116,7 +122,9 @@ _HELP = {
     "max_num_seqs": "vLLM max_num_seqs",
     "kv_cache_gib": "CPU KV cache GiB (VLLM_CPU_KVCACHE_SPACE if unset)",
     "gpu_memory_utilization": "vLLM gpu_memory_utilization",
-    "mm_tensor_ipc": f"how embeddings reach vLLM's engine, one of {', '.join(MM_TENSOR_IPC)}",
+    "handoff": "how embeddings reach vLLM's workers: region (written once into shared memory, mapped by each "
+               "worker through encdis's encoder-cache connector) or embeds (vLLM's request path)",
+    "mm_tensor_ipc": f"with --handoff embeds, how embeddings reach vLLM's engine, one of {', '.join(MM_TENSOR_IPC)}",
     "mm_processor_cache_gb": "GiB of vLLM's multimodal processor cache (embeddings already sent to the "
                              "engine); 0: none, the coordinator's --cache-bytes is the node's embedding cache",
     "max_images_per_request": "images allowed in one request",

@@ -8,7 +8,9 @@ orders, so an embedding split or ordering mistake cannot pass.
 
 from __future__ import annotations
 
+import asyncio
 import io
+import os
 from pathlib import Path
 
 import pytest
@@ -38,6 +40,11 @@ def test_engine_arguments_leave_the_tower_out(tiny_ckpt: Path):
     assert node["mm_encoder_tp_mode"] == "data" and node["mm_processor_cache_gb"] == 0
     assert engine_kwargs(LLMSettings(model=str(tiny_ckpt), mm_processor_cache_gb=2), tower=False)[
         "mm_processor_cache_gb"] == 2
+    # With the node's shared region, its workers take embeddings from it through encdis's connector.
+    assert "ec_transfer_config" not in node
+    ec = engine_kwargs(s, tower=False, region="/dev/shm/encdis-region-x")["ec_transfer_config"]
+    assert (ec.ec_connector, ec.ec_role, ec.ec_connector_module_path, ec.ec_connector_extra_config) == (
+        "EncdisECConnector", "ec_consumer", "encdis.llm_node.ec_connector", {"region": "/dev/shm/encdis-region-x"})
     reference = engine_kwargs(s, tower=True, max_images=3)
     assert reference["limit_mm_per_prompt"] == {"image": 3, "video": 0}
     assert "enable_mm_embeds" not in reference
@@ -108,3 +115,52 @@ async def test_embeddings_in_generate_what_transformers_generates(engine: Engine
         got[order] = ids
     assert got == {order: tokens for order, (_, tokens) in transformers_reference.items()}
     assert got[(0, 1, 2)] != got[(2, 0, 1)]  # the order of images matters, so the check can see a mix-up
+
+
+async def wait_until(condition, seconds: float) -> bool:
+    deadline = asyncio.get_running_loop().time() + seconds
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+async def test_the_shared_region_is_empty_once_requests_end_however_they_end(engine: EngineHost,
+                                                                             transformers_reference,
+                                                                             tiny_ckpt: Path):
+    embeds, tokens = transformers_reference[(0, 1, 2)]
+    prompt = PromptRenderer(tiny_ckpt).render(PROMPT, len(embeds))
+    region = engine.region
+    async for _ in engine.generate(prompt, SamplingSpec(max_tokens=2), images=embeds):
+        assert region.entries == 3  # held while the request is in flight
+    assert (region.entries, region.nbytes, os.listdir(region.path)) == (0, 0, [])
+    # A client gone after the first token: the node lets go at once; the engine core's pins go
+    # when it has aborted the request.
+    stream = engine.generate(prompt, SamplingSpec(max_tokens=1000), images=embeds)
+    async for _ in stream:
+        break
+    await stream.aclose()
+    assert (region.entries, region.nbytes) == (0, 0)
+    assert await wait_until(lambda: os.listdir(region.path) == [], 30), os.listdir(region.path)
+    ids = [t async for d in engine.generate(prompt, SamplingSpec(max_tokens=NEW_TOKENS), images=embeds)
+           for t in d.token_ids]
+    assert ids == tokens and os.listdir(region.path) == []
+
+
+async def test_a_request_whose_rows_are_not_in_the_region_fails_and_the_engine_serves_on(
+        engine: EngineHost, transformers_reference, tiny_ckpt: Path):
+    import torch
+    from vllm import SamplingParams
+
+    embeds, tokens = transformers_reference[(0, 1, 2)]
+    renderer = PromptRenderer(tiny_ckpt)
+    inputs = {"prompt": renderer.render(PROMPT, 1),
+              "multi_modal_data": {"image": {"image_grid_thw": torch.tensor([list(embeds[0].grid_thw)])}},
+              "multi_modal_uuids": {"image": ["never-written"]}}
+    outs = [o async for o in engine.llm.generate(inputs, SamplingParams(max_tokens=4), "rows-missing")]
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "error" and not outs[-1].outputs[0].token_ids
+    assert not engine.dead and os.listdir(engine.region.path) == []
+    ids = [t async for d in engine.generate(renderer.render(PROMPT, len(embeds)),
+                                            SamplingSpec(max_tokens=NEW_TOKENS), images=embeds) for t in d.token_ids]
+    assert ids == tokens
