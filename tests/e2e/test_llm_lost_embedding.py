@@ -32,6 +32,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 PROMPT = "Describe the picture."
 # What the request holds while it waits for its embedding, and what it must give back.
 HELD = ("encdis_admission_requests", "encdis_admission_embedding_bytes", "encdis_requests_in_flight")
+REGION = ("encdis_region_embeddings", "encdis_region_bytes")  # the shared region the engine's workers read
 MAX_RETRIES = 3  # the node's default --max-retries
 HANG_UP_AFTER = 1.0  # seconds each attempt waits after the header: long enough to read the gauges
 
@@ -66,7 +67,7 @@ async def refused_while_held(node: NodeProcess) -> tuple[BaseException | None, l
 def test_a_request_whose_embedding_never_arrives_is_refused_and_leaves_nothing_behind(
         node: NodeProcess, fake_encoder: FakeEncoderThread) -> None:
     fake = fake_encoder.fake
-    before = {name: node.metric(name) for name in (*HELD, "encdis_coordinator_cache_bytes")}
+    before = {name: node.metric(name) for name in (*HELD, *REGION, "encdis_coordinator_cache_bytes")}
     calls = fake.calls
     fake.stall_after_header, fake.hang_up_after_header = HANG_UP_AFTER, True
     try:
@@ -88,3 +89,4 @@ def test_a_request_whose_embedding_never_arrives_is_refused_and_leaves_nothing_b
         wait_until(lambda: {e.state for e in client.list_encoders()} == {"serving"}, 60, "the fake serving")
         result = client.generate(PROMPT, [png(112, 112, seed=3)], max_tokens=4, ignore_eos=True)
     assert len(result.token_ids) == 4 and result.usage.images == 1
+    assert {name: node.metric(name) for name in REGION} == dict.fromkeys(REGION, 0)
