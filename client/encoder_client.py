@@ -29,7 +29,7 @@ from encdis.client.client_base import AsyncClient, SyncClient
 from encdis.client.colocated import ColocatedReceiver, ColocatedStreamDecoder, Lookahead, receive_pending
 from encdis.client.errors import from_rpc_error
 from encdis.client.pb import encoder_pb2, encoder_pb2_grpc
-from encdis.client.wire import ChunkCopy, Embedding, ExpectedEmbedding, StreamDecoder
+from encdis.client.wire import Allocate, ChunkCopy, Embedding, ExpectedEmbedding, StreamDecoder
 
 # Encode's replies are read as the bytes gRPC received (no deserializer): StreamDecoder finds
 # each chunk's data in place instead of protobuf copying it twice.
@@ -180,7 +180,8 @@ class AsyncEncoderClient(AsyncClient):
                           expected: Sequence[ExpectedEmbedding] | None = None, max_total_bytes: int | None = None,
                           on_embedding_bytes: Callable[[int], object] | None = None,
                           colocated: ColocatedReceiver | None = None,
-                          metadata: Sequence[tuple[str, str]] = ()) -> AsyncIterator[Embedding]:
+                          metadata: Sequence[tuple[str, str]] = (),
+                          allocate: Allocate | None = None) -> AsyncIterator[Embedding]:
         """Yield each image's embedding as soon as its last chunk arrives (chunks of at most
         `max_chunk_bytes`; 0: the node's default).
 
@@ -191,12 +192,15 @@ class AsyncEncoderClient(AsyncClient):
         `colocated`: a co-located pair's receiver (client/colocated.py); the call names its
         session and images whose header says so arrive over it, the others as chunks.
         `metadata`: extra gRPC metadata of the call (the caller's W3C trace context).
+        `allocate`: each image's receive buffer, by size (None: the heap).
         """
         req = encode_request(images, min_pixels, max_pixels, max_chunk_bytes)
-        dec: StreamDecoder = StreamDecoder(len(images), expected=expected, max_total_bytes=max_total_bytes)
+        dec: StreamDecoder = StreamDecoder(len(images), expected=expected, max_total_bytes=max_total_bytes,
+                                           allocate=allocate)
         if colocated is not None:
             req.colocated_session, req.colocated_tag_base = colocated.session_id, colocated.tag_base(len(images))
-            dec = ColocatedStreamDecoder(len(images), expected=expected, max_total_bytes=max_total_bytes)
+            dec = ColocatedStreamDecoder(len(images), expected=expected, max_total_bytes=max_total_bytes,
+                                         allocate=allocate)
         copies = _PendingCopies(self._copy_pool())
         call = self._encode_raw(req, timeout=timeout or self.timeout, metadata=tuple(metadata) or None)
         deadline = time.monotonic() + (timeout or self.timeout) if (timeout or self.timeout) else None

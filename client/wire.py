@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -199,6 +199,10 @@ class ExpectedEmbedding:
         return None
 
 
+# A receive buffer of so many bytes (uint8, writable): where an embedding's chunks are put.
+Allocate = Callable[[int], np.ndarray]
+
+
 @dataclass(frozen=True)
 class ChunkCopy:
     """A checked chunk and its place in its image's buffer; `run` copies it (releasing the GIL)."""
@@ -218,7 +222,7 @@ class EmbeddingAssembler:
     """Rebuilds one image's embedding in a buffer sized from its checked header, chunk by chunk."""
 
     def __init__(self, header: encoder_pb2.EmbeddingHeader, *, max_total_bytes: int | None = None,
-                 expected: ExpectedEmbedding | None = None) -> None:
+                 expected: ExpectedEmbedding | None = None, allocate: Allocate | None = None) -> None:
         i = header.image_index
         total = check_header(header, max_total_bytes=max_total_bytes, expected=expected)
         if header.num_chunks == 0 or header.num_chunks > total:
@@ -227,8 +231,8 @@ class EmbeddingAssembler:
         self.header = header
         self._started = time.perf_counter()
         try:
-            # Uncommitted until written: memory grows only as announced bytes arrive.
-            self._buf = np.empty(total, dtype=np.uint8)
+            # np.empty is uncommitted until written: memory grows only as announced bytes arrive.
+            self._buf = allocate(total) if allocate is not None else np.empty(total, dtype=np.uint8)
         except MemoryError:
             raise WireError(f"image {i}: cannot allocate the announced {total} bytes") from None
         self._filled = 0
@@ -305,10 +309,11 @@ class StreamDecoder:
     """
 
     def __init__(self, num_images: int, *, max_total_bytes: int | None = None,
-                 expected: Sequence[ExpectedEmbedding] | None = None) -> None:
+                 expected: Sequence[ExpectedEmbedding] | None = None, allocate: Allocate | None = None) -> None:
         if expected is not None and len(expected) != num_images:
             raise ValueError(f"{len(expected)} expectations for {num_images} images")
         self.num_images = num_images
+        self.allocate = allocate  # each image's receive buffer, by size (None: the heap)
         self.max_total_bytes = max_total_bytes
         self.expected = expected
         self._open: EmbeddingAssembler | None = None
@@ -350,7 +355,8 @@ class StreamDecoder:
         if self._done >= self.num_images:
             raise WireError(f"more images than the {self.num_images} requested")
         expected = self.expected[self._done] if self.expected is not None else None
-        self._open = EmbeddingAssembler(header, max_total_bytes=self.max_total_bytes, expected=expected)
+        self._open = EmbeddingAssembler(header, max_total_bytes=self.max_total_bytes, expected=expected,
+                                        allocate=self.allocate)
 
     def _chunk(self, image_index: int, chunk_index: int, data: bytes | memoryview) -> ChunkCopy:
         if self._open is None:

@@ -8,7 +8,9 @@ Where each role lives:
     media.py        image bytes from an OpenAI image_url (data: URIs, allowed http(s) hosts)
     admission.py    admission control: requests and embedding bytes in flight
     engine.py       the vLLM AsyncLLM host (also the monolithic reference with the tower loaded)
-    handoff.py      embeddings into vLLM's image_embeds, no copy on the event loop (measured, decided)
+    handoff.py      embeddings into vLLM's workers, no copy on the event loop: the routes (measured, decided)
+    embedding_region.py  the shared region: each embedding in flight once in shared memory, by digest
+    ec_connector.py vLLM's encoder-cache connector that maps the region's embeddings in the workers
     reaper.py       a small process that kills vLLM's engine processes if the node dies
     prompt.py       the checkpoint's chat template, one image placeholder per image
     coordinator/    images -> embeddings over the encoder pool (imports no vLLM)

@@ -16,17 +16,52 @@ worker that mapped them drops them from its encoder cache.
 
 from __future__ import annotations
 
+import itertools
+import mmap
 import os
 import re
 import shutil
 import tempfile
 import threading
+import weakref
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 REGION_PARENT = "/dev/shm"  # tmpfs: the pages are memory, shared by every process that maps them
 SAFE_DIGEST = re.compile(r"[0-9A-Za-z_\-]{1,128}")  # a file name, never a path; no "." (the links' separator)
+
+
+PREFIX = "encdis-region-"  # then the owning node's pid
+
+
+def remove_stale_regions(parent: str) -> list[str]:
+    """Remove the regions of nodes that are gone (killed, crashed): a region outlives its process
+    on tmpfs, and a node restarted in the same pod or host would otherwise leave one per crash.
+    A region named by this process's pid is stale too (a restarted container is often pid 1 again)."""
+    removed = []
+    for name in os.listdir(parent):
+        if not name.startswith(PREFIX):
+            continue
+        try:
+            pid = int(name[len(PREFIX):].split("-", 1)[0])
+        except ValueError:
+            continue
+        if pid == os.getpid() or not _alive(pid):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
 
 
 def pin_name(digest: str, request_id: str) -> str:
@@ -50,13 +85,16 @@ class EmbeddingRegion:
 
     def __init__(self, dtype: torch.dtype | None = None, parent: str | None = None) -> None:
         self.dtype = dtype  # the engine's, set once it is known; rows of another dtype are converted
-        base = parent or (REGION_PARENT if os.path.isdir(REGION_PARENT) else None)
-        self.path = tempfile.mkdtemp(prefix="encdis-region-", dir=base)
+        base = parent or (REGION_PARENT if os.path.isdir(REGION_PARENT) else tempfile.gettempdir())
+        remove_stale_regions(base)
+        self.path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=base)
         self._lock = threading.Lock()
         self._users: dict[str, int] = {}
         self._sizes: dict[str, int] = {}
         self._written: dict[str, threading.Event] = {}
         self._failed: dict[str, BaseException] = {}
+        self._buffers: dict[int, tuple[str, int]] = {}  # receive buffer address -> (its file, bytes)
+        self._buffer_ids = itertools.count()
 
     @property
     def entries(self) -> int:
@@ -67,6 +105,45 @@ class EmbeddingRegion:
     def nbytes(self) -> int:
         with self._lock:
             return sum(self._sizes.values())
+
+    def buffer(self, nbytes: int) -> np.ndarray:
+        """A receive buffer in the region (the coordinator's `receive_buffers`): an embedding received
+        into it is in the region already, so a request holding it links the file instead of copying
+        the rows. Its file goes when the last tensor over the buffer does (the coordinator's cache
+        evicting it, or the request ending). Where the region has no room, the heap."""
+        path = os.path.join(self.path, f"buf.{next(self._buffer_ids)}")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError:
+            return np.empty(nbytes, dtype=np.uint8)
+        try:
+            # Reserved now: a full tmpfs is an error here, rather than SIGBUS on a write to the mapping.
+            os.posix_fallocate(fd, 0, nbytes)
+            mapped = mmap.mmap(fd, nbytes)
+        except (OSError, ValueError):
+            _unlink(path)
+            return np.empty(nbytes, dtype=np.uint8)
+        finally:
+            os.close(fd)
+        array = np.frombuffer(mapped, dtype=np.uint8)
+        address = array.ctypes.data
+        with self._lock:
+            self._buffers[address] = (path, nbytes)
+        weakref.finalize(mapped, self._buffer_gone, address, path)
+        return array
+
+    def _buffer_gone(self, address: int, path: str) -> None:
+        with self._lock:
+            self._buffers.pop(address, None)
+        _unlink(path)
+
+    def _buffer_of(self, rows: torch.Tensor) -> str | None:
+        """The region file `rows` are the whole of, if they were received into one."""
+        if not rows.is_contiguous():
+            return None
+        with self._lock:
+            path, nbytes = self._buffers.get(rows.data_ptr(), (None, 0))
+        return path if nbytes == rows.numel() * rows.element_size() else None
 
     def acquire(self, images: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hold each (digest, rows) for one request, writing the ones not in the region yet.
@@ -103,9 +180,13 @@ class EmbeddingRegion:
         try:
             if self.dtype is not None and rows.dtype != self.dtype:
                 rows = rows.to(self.dtype)
-            with open(partial, "wb") as f:
-                f.write(tensor_bytes(rows))
-            os.rename(partial, final)  # a reader never sees part of the rows
+            received = self._buffer_of(rows)
+            if received is not None:
+                os.link(received, final)  # received into the region: the same pages, no copy
+            else:
+                with open(partial, "wb") as f:
+                    f.write(tensor_bytes(rows))
+                os.rename(partial, final)  # a reader never sees part of the rows
             with self._lock:
                 self._sizes[digest] = rows.numel() * rows.element_size()
         except BaseException as e:

@@ -118,6 +118,8 @@ async def _serve(settings: LLMSettings, engine: EngineHost, exposure: Exposure) 
     pool_coordinator = Coordinator.from_checkpoint(coordinator_settings, registry, settings.model,
                                                    channel_security=exposure.encoder_security)
     pool_coordinator.tracing = tracing = Tracing.configured(settings.otlp_traces_endpoint, "encdis-llm")
+    if engine.region is not None:  # embeddings are received into the shared region: no copy to hand them over
+        pool_coordinator.receive_buffers = engine.region.buffer
     # Receiving embeddings is work in proportion to their bytes: on its own thread and loop, it
     # cannot stall this loop's token streams (coordinator_thread.py).
     coordinator = CoordinatorThread(pool_coordinator)

@@ -39,7 +39,7 @@ from prometheus_client import CollectorRegistry
 
 from encdis.client.channels import ChannelSecurity
 from encdis.client.errors import DeadlineExceeded, InvalidArgument, Unavailable
-from encdis.client.wire import content_digest
+from encdis.client.wire import Allocate, content_digest
 from encdis.image_header import ImageHeader
 from encdis.tracing import Tracing, record_span
 
@@ -92,6 +92,8 @@ class Coordinator:
         self._dispatcher: Dispatcher | None = None
         self.colocated: ColocatedTransport | None = None
         self.tracing = Tracing()  # off; the node sets its own before start()
+        # Where embeddings are received (the node's shared region; None: the heap); set before start().
+        self.receive_buffers: Allocate | None = None
 
     @classmethod
     def from_checkpoint(cls, settings: CoordinatorSettings, registry: CollectorRegistry | None,
@@ -134,6 +136,7 @@ class Coordinator:
                                       min_pixels=self.identity.min_pixels, max_pixels=self.identity.max_pixels,
                                       colocated=self.colocated)
         self._dispatcher.tracing = self.tracing
+        self._dispatcher.receive_buffers = self.receive_buffers
         # Import transformers' smart_resize now, not inside the first request.
         await asyncio.to_thread(self._grid, 448, 448)
         await self.pool.start()

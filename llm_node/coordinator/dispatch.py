@@ -43,7 +43,7 @@ from encdis.client.errors import (
     Unavailable,
     WireError,
 )
-from encdis.client.wire import Embedding, ExpectedEmbedding
+from encdis.client.wire import Allocate, Embedding, ExpectedEmbedding
 from encdis.tracing import Tracing, record_span, trace_metadata
 
 from .affinity import Affinity, ask_holders
@@ -87,12 +87,11 @@ class Dispatcher:
                  colocated: ColocatedTransport | None = None) -> None:
         self.settings = settings
         self.colocated = colocated  # co-located pairs (colocated.py); None: gRPC only
-        self.pool = pool
-        self.cache = cache
+        self.pool, self.cache = pool, cache
         self.metrics = metrics
         self.hidden_size = hidden_size
-        self.min_pixels = min_pixels
-        self.max_pixels = max_pixels
+        self.min_pixels, self.max_pixels = min_pixels, max_pixels
+        self.receive_buffers: Allocate | None = None  # where embeddings are received (None: the heap)
         # Rotating the candidates per round spreads ties on predicted finish (assign picks the first).
         self._rotation = 0
         self._random = random.Random()
@@ -305,6 +304,7 @@ class Dispatcher:
                 on_embedding_bytes=self.metrics.embedding_bytes_received.inc,
                 colocated=self.colocated.receiver(h) if self.colocated is not None else None,
                 metadata=trace_metadata(),  # this call's span, as W3C trace context
+                allocate=self.receive_buffers,
             )
             async with contextlib.aclosing(stream):  # cancel the RPC at once if we stop reading
                 async for emb in stream:

@@ -148,3 +148,52 @@ def test_rows_of_the_wrong_size_are_refused_by_name(region, monkeypatch):
     scheduler.request_finished(req)
     region.release(["short"])
     assert files(region) == []
+
+
+def test_regions_left_by_dead_nodes_are_removed_at_start(tmp_path):
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = tmp_path / f"encdis-region-{int(dead.stdout)}-abc"
+    mine = tmp_path / f"encdis-region-{os.getpid()}-old"  # this pid before a restart
+    live = tmp_path / f"encdis-region-{os.getppid()}-xyz"
+    other = tmp_path / "not-a-region"
+    for d in (gone, mine, live, other):
+        d.mkdir()
+        (d / "aa").write_bytes(b"x")
+    region = EmbeddingRegion(torch.float32, parent=str(tmp_path))
+    try:
+        assert sorted(os.listdir(tmp_path)) == sorted([live.name, other.name, os.path.basename(region.path)])
+    finally:
+        region.close()
+
+
+def test_rows_received_into_the_region_are_linked_not_copied(region):
+    import gc
+
+    buf = region.buffer(4 * HIDDEN * 4)
+    received = torch.frombuffer(memoryview(buf), dtype=torch.float32).view(4, HIDDEN)  # as the coordinator does
+    received.copy_(rows(4, 9))
+    (buffer_file,) = files(region)
+    region.acquire([("rx", received)])
+    assert os.stat(os.path.join(region.path, "rx")).st_ino == os.stat(os.path.join(region.path, buffer_file)).st_ino
+    region.release(["rx"])
+    assert files(region) == [buffer_file]  # the coordinator's tensor still holds its buffer
+    del received, buf
+    gc.collect()
+    assert files(region) == []  # its file goes with the last tensor over it
+
+
+def test_a_full_region_receives_into_the_heap_and_still_serves(region, monkeypatch):
+    def no_room(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    buf = region.buffer(2 * HIDDEN * 4)
+    assert files(region) == [] and buf.nbytes == 2 * HIDDEN * 4
+    monkeypatch.undo()
+    received = torch.frombuffer(memoryview(buf), dtype=torch.float32).view(2, HIDDEN)
+    region.acquire([("heap", received)])  # written, a copy
+    assert os.path.getsize(os.path.join(region.path, "heap")) == 2 * HIDDEN * 4
+    region.release(["heap"])
