@@ -28,6 +28,13 @@ it; `python bench/handoff.py --images 100 --hidden 3584` (350 MiB of embeddings 
     variant                     RSS growth MiB  PSS growth MiB  mean s  p99 s
     vllm cache 4 GiB (before)              447             423   0.383  0.445
     vllm cache 0 (now)                      75              47   0.332  0.363
+
+Another day, the three routes side by side (same command):
+
+    variant                     RSS growth MiB  PSS growth MiB  mean s  p99 s
+    embeds, vllm cache 4 GiB               437             416   0.359  0.408
+    embeds, vllm cache 0                    91              70   0.317  0.333
+    region (default)                        54              54   0.316  0.361
 """
 
 from __future__ import annotations
