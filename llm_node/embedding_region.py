@@ -1,8 +1,10 @@
 """The shared region: each embedding a request needs, written once into shared memory, keyed by digest.
 
-The node writes an image's rows (the engine's dtype, row-major) into a file named by its digest in
-a directory on tmpfs, holds it while any of its requests is in flight and removes it when the last
-one ends, however it ends. vLLM's engine reads it through encdis's encoder-cache connector
+An image's rows (the engine's dtype, row-major) are in a file named by its digest in a directory
+on tmpfs while any of the node's requests that need them is in flight; the last one to end,
+however it ends, removes it. The coordinator receives embeddings into files of the region
+(`buffer`), so the digest's file is a hard link to the received bytes; rows from elsewhere are
+written. vLLM's engine reads them through encdis's encoder-cache connector
 (llm_node/ec_connector.py) by hard links, so no file is ever read after it is gone:
 
 - the engine core's scheduler pins each digest for a request (`<digest>.pin.<request>`) before the
@@ -33,35 +35,36 @@ REGION_PARENT = "/dev/shm"  # tmpfs: the pages are memory, shared by every proce
 SAFE_DIGEST = re.compile(r"[0-9A-Za-z_\-]{1,128}")  # a file name, never a path; no "." (the links' separator)
 
 
-PREFIX = "encdis-region-"  # then the owning node's pid
+PREFIX = "encdis-region-"  # then the owning node's pid and its start time
 
 
 def remove_stale_regions(parent: str) -> list[str]:
     """Remove the regions of nodes that are gone (killed, crashed): a region outlives its process
     on tmpfs, and a node restarted in the same pod or host would otherwise leave one per crash.
-    A region named by this process's pid is stale too (a restarted container is often pid 1 again)."""
+    A region is its node's while a process of that pid runs that started when the node did (a
+    restarted container is often pid 1 again)."""
     removed = []
     for name in os.listdir(parent):
         if not name.startswith(PREFIX):
             continue
         try:
-            pid = int(name[len(PREFIX):].split("-", 1)[0])
+            pid, started = name[len(PREFIX):].split("-")[:2]
+            owner = (int(pid), int(started))
         except ValueError:
             continue
-        if pid == os.getpid() or not _alive(pid):
+        if _started(owner[0]) != owner[1]:
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
             removed.append(name)
     return removed
 
 
-def _alive(pid: int) -> bool:
+def _started(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot; None: no such process)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's live process
-    return True
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def pin_name(digest: str, request_id: str) -> str:
@@ -87,7 +90,7 @@ class EmbeddingRegion:
         self.dtype = dtype  # the engine's, set once it is known; rows of another dtype are converted
         base = parent or (REGION_PARENT if os.path.isdir(REGION_PARENT) else tempfile.gettempdir())
         remove_stale_regions(base)
-        self.path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=base)
+        self.path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-{_started(os.getpid())}-", dir=base)
         self._lock = threading.Lock()
         self._users: dict[str, int] = {}
         self._sizes: dict[str, int] = {}
@@ -95,6 +98,11 @@ class EmbeddingRegion:
         self._failed: dict[str, BaseException] = {}
         self._buffers: dict[int, tuple[str, int]] = {}  # receive buffer address -> (its file, bytes)
         self._buffer_ids = itertools.count()
+
+    def room_bytes(self) -> int:
+        """Free bytes of the filesystem the region is on."""
+        st = os.statvfs(self.path)
+        return st.f_bavail * st.f_frsize
 
     @property
     def entries(self) -> int:
@@ -148,8 +156,8 @@ class EmbeddingRegion:
     def acquire(self, images: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hold each (digest, rows) for one request, writing the ones not in the region yet.
 
-        Blocking (a copy of every new byte): run it off the event loop. On failure nothing
-        stays held for this request."""
+        Blocking (a copy of every new byte not received into the region): run it off the event
+        loop. On failure nothing stays held for this request."""
         held: list[str] = []
         try:
             for digest, rows in images:

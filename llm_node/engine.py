@@ -262,6 +262,12 @@ class EngineHost:
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.kwargs))
         if self.region is not None:
             self.region.dtype = self._llm.model_config.dtype  # the rows the workers map are the engine's dtype
+            room, want = self.region.room_bytes(), self.settings.max_inflight_embedding_bytes
+            if room < want:
+                log.warning("the shared region %s has %d MiB free, less than --max-inflight-embedding-bytes "
+                            "(%d MiB): image requests beyond it get RESOURCE_EXHAUSTED. Give /dev/shm more room "
+                            "(docker --shm-size; Kubernetes: an emptyDir of medium Memory) or run --handoff embeds",
+                            self.region.path, room >> 20, want >> 20)
         log.info("vLLM engine ready in %.1fs (%s)", time.monotonic() - t0,
                  "tower loaded" if self.tower else "vision tower not loaded, embeddings in")
 

@@ -41,6 +41,7 @@ def test_rows_are_written_once_and_removed_after_the_last_request(region):
     assert files(region) == ["aa"]  # the other request still holds it
     region.release(["aa"])
     assert files(region) == [] and (region.entries, region.nbytes) == (0, 0)
+    assert region.room_bytes() > 0
 
 
 def test_rows_are_written_in_the_engines_dtype(region):
@@ -154,17 +155,22 @@ def test_regions_left_by_dead_nodes_are_removed_at_start(tmp_path):
     import subprocess
     import sys
 
+    from encdis.llm_node.embedding_region import _started
+
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    gone = tmp_path / f"encdis-region-{int(dead.stdout)}-abc"
-    mine = tmp_path / f"encdis-region-{os.getpid()}-old"  # this pid before a restart
-    live = tmp_path / f"encdis-region-{os.getppid()}-xyz"
+    me, parent = os.getpid(), os.getppid()
+    gone = tmp_path / f"encdis-region-{int(dead.stdout)}-1-abc"
+    reused = tmp_path / f"encdis-region-{me}-{_started(me) - 1}-old"  # this pid, an earlier process (a restart)
+    live = tmp_path / f"encdis-region-{parent}-{_started(parent)}-xyz"
+    sibling = tmp_path / f"encdis-region-{me}-{_started(me)}-abc"  # another region of this very process
     other = tmp_path / "not-a-region"
-    for d in (gone, mine, live, other):
+    for d in (gone, reused, live, sibling, other):
         d.mkdir()
         (d / "aa").write_bytes(b"x")
     region = EmbeddingRegion(torch.float32, parent=str(tmp_path))
     try:
-        assert sorted(os.listdir(tmp_path)) == sorted([live.name, other.name, os.path.basename(region.path)])
+        assert sorted(os.listdir(tmp_path)) == sorted([live.name, sibling.name, other.name,
+                                                       os.path.basename(region.path)])
     finally:
         region.close()
 
