@@ -18,6 +18,7 @@ caller can run it off the event loop (the copy releases the GIL).
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -203,19 +204,40 @@ class ExpectedEmbedding:
 Allocate = Callable[[int], np.ndarray]
 
 
+class ReceiveBuffer:
+    """One image's receive buffer. The heap's is made at once (np.empty: uncommitted until written,
+    so memory grows only as announced bytes arrive); an `allocate`d one at its first copy, in the
+    thread that runs it, since allocating may take time (the node's shared region reserves its
+    pages) that the loop checking every call's chunks must not spend."""
+
+    def __init__(self, nbytes: int, allocate: Allocate | None) -> None:
+        self.nbytes = nbytes
+        self._allocate = allocate
+        self._array = np.empty(nbytes, dtype=np.uint8) if allocate is None else None
+        self._lock = threading.Lock()
+
+    def array(self) -> np.ndarray:
+        if self._array is None:
+            with self._lock:  # the image's copies may run in several threads
+                if self._array is None:
+                    self._array = self._allocate(self.nbytes)
+        return self._array
+
+
 @dataclass(frozen=True)
 class ChunkCopy:
     """A checked chunk and its place in its image's buffer; `run` copies it (releasing the GIL)."""
 
-    dst: np.ndarray
+    dst: ReceiveBuffer
+    start: int
     src: bytes | memoryview
 
     def run(self) -> None:
-        self.dst[:] = np.frombuffer(self.src, dtype=np.uint8)
+        self.dst.array()[self.start:self.start + self.nbytes] = np.frombuffer(self.src, dtype=np.uint8)
 
     @property
     def nbytes(self) -> int:
-        return self.dst.nbytes
+        return memoryview(self.src).nbytes
 
 
 class EmbeddingAssembler:
@@ -231,8 +253,7 @@ class EmbeddingAssembler:
         self.header = header
         self._started = time.perf_counter()
         try:
-            # np.empty is uncommitted until written: memory grows only as announced bytes arrive.
-            self._buf = allocate(total) if allocate is not None else np.empty(total, dtype=np.uint8)
+            self._buf = ReceiveBuffer(total, allocate)
         except MemoryError:
             raise WireError(f"image {i}: cannot allocate the announced {total} bytes") from None
         self._filled = 0
@@ -255,7 +276,7 @@ class EmbeddingAssembler:
         if self._next_chunk + 1 == h.num_chunks and self._filled + n != h.total_bytes:
             raise WireError(f"image {h.image_index}: got {self._filled + n} bytes in the announced "
                             f"{h.num_chunks} chunks, announced {h.total_bytes}")
-        copy = ChunkCopy(self._buf[self._filled:self._filled + n], data)
+        copy = ChunkCopy(self._buf, self._filled, data)
         self._filled += n
         self._next_chunk += 1
         return copy
@@ -269,7 +290,7 @@ class EmbeddingAssembler:
         h = self.header
         if not self.complete:
             raise WireError(f"image {h.image_index}: got {self._next_chunk} of {h.num_chunks} chunks")
-        return embedding_of(h, memoryview(self._buf), time.perf_counter() - self._started)
+        return embedding_of(h, memoryview(self._buf.array()), time.perf_counter() - self._started)
 
 
 def check_header(header: encoder_pb2.EmbeddingHeader, *, max_total_bytes: int | None = None,

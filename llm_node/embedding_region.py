@@ -145,7 +145,7 @@ class EmbeddingRegion:
             self._buffers.pop(address, None)
         _unlink(path)
 
-    def _buffer_of(self, rows: torch.Tensor) -> str | None:
+    def file_of(self, rows: torch.Tensor) -> str | None:
         """The region file `rows` are the whole of, if they were received into one."""
         if not rows.is_contiguous():
             return None
@@ -188,7 +188,7 @@ class EmbeddingRegion:
         try:
             if self.dtype is not None and rows.dtype != self.dtype:
                 rows = rows.to(self.dtype)
-            received = self._buffer_of(rows)
+            received = self.file_of(rows)
             if received is not None:
                 os.link(received, final)  # received into the region: the same pages, no copy
             else:

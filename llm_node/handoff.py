@@ -77,10 +77,11 @@ under the ~0.3 GB/s of embeddings a 72B node at TP 8 prefills.
 Built as route "region". vLLM (0.32) takes a metadata-only image from an EC consumer: the grid
 sizes the placeholders, the rows come from the connector; the request, the engine core and the
 broadcast to the workers carry no tensor. The coordinator receives each embedding into a file
-in the region (its receive buffers), so a request holding it links that file under its digest:
-no copy, and a cached embedding is in the region already. Rows from elsewhere (the co-located
-path's host copy; a region without room at receive time) are written once, in a worker thread,
-while any request holds them. The scheduler pins them by a hard link before scheduling,
+in the region (its receive buffers: gRPC chunks are copied there, a gloo pair receives there, an
+NCCL pair's device-to-host copy lands there, each in a receive thread), so a request holding it
+links that file under its digest: no copy, and a cached embedding is in the region already.
+Rows received elsewhere (the heap, when the region had no room) are written once, in a worker
+thread, while any request holds them. The scheduler pins them by a hard link before scheduling,
 so an abort on its way cannot take them from a scheduled load, and fails a request whose rows
 are gone rather than run it; each rank maps its own link: a view on CPU, one host-to-device
 copy per rank on GPU (from the mapped pages: not pinned memory, which would need the region

@@ -55,6 +55,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from encdis.client.encoder_client import EncoderDescription
+from encdis.client.wire import Allocate
 from encdis.pair_group import read_boot_id, read_net_namespace, why_not_one_loopback
 
 from .colocated_link import CallReceiver, ColocatedLink, close_remote, open_link
@@ -105,6 +106,7 @@ class ColocatedTransport:
         self.net_namespace = read_net_namespace() if net_namespace is None else net_namespace
         self.metrics = ColocatedMetrics(registry)
         self._threads = ThreadPoolExecutor(RECEIVE_THREADS, thread_name_prefix="encdis-colocated")
+        self.receive_buffers: Allocate | None = None  # where embeddings land in host memory (None: the heap)
         self._links: dict[str, ColocatedLink] = {}
         self._handles: dict[str, EncoderHandle] = {}
         self._retry_at: dict[str, float] = {}
@@ -174,7 +176,7 @@ class ColocatedTransport:
     async def _open(self, h: EncoderHandle, desc: EncoderDescription) -> None:
         link = await open_link(h.address, h.channel, backend=self.backend_for(desc), boot_id=self.boot_id,
                                net_namespace=self.net_namespace, timeout=self.timeout, threads=self._threads,
-                               on_failure=self._failed,
+                               on_failure=self._failed, allocate=self.receive_buffers,
                                on_receiving=self.metrics.receiving.inc, on_received=self.metrics.embeddings.inc)
         if self._handles.get(h.address) is not h:  # left the pool meanwhile
             link.close()

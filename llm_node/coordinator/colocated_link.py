@@ -29,6 +29,7 @@ import torch
 
 from encdis.client.errors import DeadlineExceeded, Unavailable, WireError, from_rpc_error
 from encdis.client.pb import encoder_pb2, encoder_pb2_grpc
+from encdis.client.wire import Allocate
 from encdis.pair_group import RECEIVER_RANK, PairError, PairGroup, host_store
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,8 @@ class ColocatedLink:
 
     def __init__(self, address: str, session_id: str, store: object, group: PairGroup, *, timeout: float,
                  threads: ThreadPoolExecutor, on_failure: Callable[[ColocatedLink, str, str], None],
-                 on_receiving: Callable[[int], None], on_received: Callable[[], None]) -> None:
+                 on_receiving: Callable[[int], None], on_received: Callable[[], None],
+                 allocate: Allocate | None = None) -> None:
         self.address = address
         self.session_id = session_id
         self._store = store  # kept alive for the group's lifetime
@@ -55,6 +57,7 @@ class ColocatedLink:
         self._on_failure = on_failure
         self._on_receiving = on_receiving
         self._on_received = on_received
+        self.allocate = allocate  # where embeddings land in host memory (the node's shared region; None: the heap)
         self._next_tag = 0
         self.receiving = 0  # receives waiting on this pair now
         self.broken = False
@@ -76,15 +79,20 @@ class ColocatedLink:
         timeout, by_caller = self.timeout, False
         if deadline is not None and deadline - time.monotonic() < timeout:
             timeout, by_caller = max(deadline - time.monotonic(), 1e-3), True
-        # Sized from the checked header only; uncommitted until the bytes land.
-        buf = torch.empty(header.total_bytes, dtype=torch.uint8, device=self.device)
+        # Sized from the checked header only. A host receive lands where the node wants it, allocated in
+        # a receive thread (the node's shared region reserves its pages), not on the loop.
+        loop = asyncio.get_running_loop()
+        if self.allocate is not None and self.device is None:
+            buf = torch.frombuffer(await loop.run_in_executor(self._threads, self.allocate, header.total_bytes),
+                                   dtype=torch.uint8)
+        else:  # uncommitted until the bytes land
+            buf = torch.empty(header.total_bytes, dtype=torch.uint8, device=self.device)
         what = f"image {header.image_index} ({header.total_bytes} bytes, tag {tag})"
         self._on_receiving(1)
         self.receiving += 1
         try:
             work = self.group.post_recv(buf, tag)
-            host = await asyncio.get_running_loop().run_in_executor(self._threads, self._landed, work, buf, timeout,
-                                                                    what)
+            host = await loop.run_in_executor(self._threads, self._landed, work, buf, timeout, what)
         except PairError as e:
             reason = "timeout" if "imed out" in str(e) else "peer_lost"
             if by_caller and reason == "timeout":
@@ -104,9 +112,14 @@ class ColocatedLink:
 
     def _landed(self, work, buf: torch.Tensor, timeout: float, what: str) -> torch.Tensor:
         """In a receive thread: wait for `work`, then `buf` in host memory. The device-to-host copy of
-        an NCCL receive runs here too, never on the coordinator's loop, which streams other calls."""
+        an NCCL receive runs here too (into the node's buffer where it has one), never on the
+        coordinator's loop, which streams other calls."""
         self.group.wait(work, timeout, what)
-        return buf if buf.device.type == "cpu" else buf.cpu()
+        if buf.device.type == "cpu":
+            return buf
+        if self.allocate is None:
+            return buf.cpu()
+        return torch.frombuffer(self.allocate(buf.numel()), dtype=torch.uint8).copy_(buf)
 
     def fail(self, reason: str, detail: str) -> None:
         """Close the pair (idempotent); the first failure is reported to the owner."""

@@ -113,6 +113,7 @@ class Coordinator:
         if not s.encoders:
             log.warning("no encoders configured: every request with images will fail with UNAVAILABLE")
         self.colocated = ColocatedTransport(s.colocated, s.colocated_timeout_seconds, self.registry)
+        self.colocated.receive_buffers = self.receive_buffers
         self.pool = EncoderPool(
             s.encoders,
             self.identity,

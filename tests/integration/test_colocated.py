@@ -12,6 +12,7 @@ or the other encoder, and each fallback is counted.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import time
@@ -53,10 +54,12 @@ def images() -> list[bytes]:
     return [png(224, 224, 1), png(336, 168, 2), png(84, 112, 3), png(448, 336, 4)]
 
 
-async def started(ckpt, addresses: list[str], mode: str, **overrides) -> tuple[Coordinator, CollectorRegistry]:
+async def started(ckpt, addresses: list[str], mode: str, receive_buffers=None,
+                  **overrides) -> tuple[Coordinator, CollectorRegistry]:
     registry = CollectorRegistry()
     settings = CoordinatorSettings(encoders=tuple(addresses), colocated=mode, cache_bytes=0, **overrides)
     coord = Coordinator.from_checkpoint(settings, registry, ckpt)
+    coord.receive_buffers = receive_buffers
     await coord.start()
     return coord, registry
 
@@ -94,6 +97,30 @@ async def test_colocated_embeddings_are_byte_identical_to_grpc(tiny_ckpt, encode
     finally:
         await grpc_coord.stop()
         await co_coord.stop()
+
+
+async def test_both_paths_receive_into_the_nodes_shared_region(tiny_ckpt, encoder, images, tmp_path):
+    from encdis.llm_node.embedding_region import EmbeddingRegion
+
+    region = EmbeddingRegion(torch.float32, parent=str(tmp_path))
+    want = await reference(tiny_ckpt, encoder.address, images)
+    try:
+        for mode in ("off", "require"):  # gRPC chunks; the gloo pair
+            coord, registry = await started(tiny_ckpt, [encoder.address], mode, receive_buffers=region.buffer)
+            try:
+                result = await coord.encode(images)
+            finally:
+                await coord.stop()
+            assert raw(result) == want
+            assert metric(registry, COLOCATED) == (len(images) if mode == "require" else 0)
+            # Each embedding is a whole file of the region: a request holding it links, never copies.
+            assert all(region.file_of(e.embeds) is not None for e in result.images), mode
+            assert len(os.listdir(region.path)) == len(images)
+            del result
+            gc.collect()
+            await wait_for(lambda: os.listdir(region.path) == [], 10, "the region's files to go with their tensors")
+    finally:
+        region.close()
 
 
 async def test_require_refuses_an_encoder_that_cannot_pair(tiny_ckpt):
