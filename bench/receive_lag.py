@@ -13,6 +13,8 @@ expectation, records.embedding_tensor) takes them:
           node now runs its coordinator), awaited from the main loop;
   thread+1ms  the same with the GIL switch interval the LLM node sets (coordinator_thread.
           SWITCH_INTERVAL_SECONDS; Python's default is 5 ms).
+  region  thread+1ms receiving into the node's shared region (llm_node/embedding_region.py: the
+          coordinator's receive buffers on the default --handoff region), as the node does now.
 
 Either way a 1 ms sleeper on the main loop records how late it wakes (bench/transport.py's
 probe): that lateness is what every token stream on the node waits. The variants alternate
@@ -52,6 +54,7 @@ from transport import HIDDEN, SIZES, encdis_receive, idle_lag, loop_lag, rows_fo
 from encdis.client.encoder_client import RECEIVE_CHUNK_BYTES  # noqa: E402
 from encdis.llm_node.coordinator_thread import SWITCH_INTERVAL_SECONDS as SWITCH_INTERVAL  # noqa: E402
 from encdis.llm_node.coordinator_thread import LoopThread  # noqa: E402
+from encdis.llm_node.embedding_region import EmbeddingRegion  # noqa: E402
 
 TRANSPORT = Path(__file__).resolve().parent / "transport.py"
 
@@ -78,8 +81,8 @@ async def close_handles(handles: list) -> None:
         await h.channel.close()
 
 
-async def receive_all(handles: list, rows: int, hidden: int, keep: list) -> None:
-    await asyncio.gather(*(encdis_receive(h, rows, hidden, RECEIVE_CHUNK_BYTES, keep) for h in handles))
+async def receive_all(handles: list, rows: int, hidden: int, keep: list, allocate=None) -> None:
+    await asyncio.gather(*(encdis_receive(h, rows, hidden, RECEIVE_CHUNK_BYTES, keep, allocate) for h in handles))
 
 
 async def with_switch_interval(seconds: float, work) -> None:
@@ -98,6 +101,7 @@ async def measure(args: argparse.Namespace) -> dict:
     procs, addresses = start_senders(args.senders)
     other = LoopThread("bench-receiver")
     other.start()
+    region = EmbeddingRegion()
     try:
         on_main = await make_handles(addresses)
         on_thread = await other.run(make_handles, addresses)
@@ -106,6 +110,8 @@ async def measure(args: argparse.Namespace) -> dict:
             "thread": lambda keep: other.run(receive_all, on_thread, rows, hidden, keep),
             "thread+1ms": lambda keep: with_switch_interval(
                 SWITCH_INTERVAL, other.run(receive_all, on_thread, rows, hidden, keep)),
+            "region": lambda keep: with_switch_interval(
+                SWITCH_INTERVAL, other.run(receive_all, on_thread, rows, hidden, keep, region.buffer)),
         }
         for run in variants.values():  # warm both sets of channels (windows, buffers)
             await run([])
@@ -123,6 +129,7 @@ async def measure(args: argparse.Namespace) -> dict:
                 "mbytes_per_image": rows * hidden * 2 / 1e6, "rounds": args.rounds, "idle": idle, "runs": results}
     finally:
         await other.stop()
+        region.close()
         for p in procs:
             p.stdin.close()
         for p in procs:
@@ -138,7 +145,7 @@ def summary(result: dict) -> list[dict]:
         rows.append({"variant": name, **{f"lag_{q}_ms": statistics.median(r["lag_ms"][q] for r in runs)
                                           for q in ("p50", "p99", "max")},
                      "mb_per_s": statistics.median(r["mb_per_s"] for r in runs)})
-    for variant in ("thread", "thread+1ms"):
+    for variant in ("thread", "thread+1ms", "region"):
         pairs = list(zip(result["runs"]["main"], result["runs"][variant], strict=True))
         rows.append({"variant": f"{variant}/main", **{
             f"lag_{q}_ms": statistics.median(t["lag_ms"][q] / max(m["lag_ms"][q], 1e-6) for m, t in pairs)

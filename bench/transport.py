@@ -215,14 +215,16 @@ async def bare_receive(channel: grpc.aio.Channel, nbytes: int, chunk: int, keep:
     return time.perf_counter() - t0
 
 
-async def encdis_receive(handle, rows: int, hidden: int, chunk: int, keep: list | None = None) -> float:
+async def encdis_receive(handle, rows: int, hidden: int, chunk: int, keep: list | None = None,
+                         allocate=None) -> float:
+    """`allocate`: the receive buffers (the LLM node's shared region; None: the heap)."""
     from encdis.client.wire import ExpectedEmbedding
     from encdis.llm_node.coordinator.records import embedding_tensor
 
     expected = [ExpectedEmbedding(rows, hidden, "BF16", 4 * rows)]
     t0 = time.perf_counter()
     async for emb in handle.client.encode_iter([f"{rows},{hidden}".encode()], max_chunk_bytes=chunk,
-                                               expected=expected):
+                                               expected=expected, allocate=allocate):
         tensor = embedding_tensor(emb)
     seconds = time.perf_counter() - t0
     assert tensor.shape == (rows, hidden)
