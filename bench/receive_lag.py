@@ -33,8 +33,20 @@ Measured: 2 shared vCPUs, Python 3.11, grpcio 1.85; the eight senders on the sam
     thread/main          0.12     0.66     0.77     0.98
     thread+1ms/main      0.21     0.47     0.54     1.31
 
+Another day, with the region variant (idle: p50 0.08, p99 0.11, max 0.18 ms):
+
+    receiver on        p50 ms   p99 ms   max ms     MB/s
+    main                  4.2     31.9     38.1     1146
+    thread                0.6     10.0     22.7     1821
+    thread+1ms            0.7      6.5      9.2     1785
+    region                0.6     12.1     24.7     1205
+    region/main          0.15     0.38     0.65     1.10
+
 The lag left at 1 ms is the eight sender processes and the receiver sharing two cores with the
-sleeper (a receiving host with its own cores has no senders on them).
+sleeper (a receiving host with its own cores has no senders on them). Receiving into the region
+costs its tmpfs pages being allocated and mapped during the receive (~100 ms of kernel time per
+173 MB here, where the heap recycles freed pages): the same work the heap route does later, when
+a request's rows are written into the region on their way to the engine (llm_node/handoff.py).
 """
 
 from __future__ import annotations
