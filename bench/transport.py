@@ -215,9 +215,7 @@ async def bare_receive(channel: grpc.aio.Channel, nbytes: int, chunk: int, keep:
     return time.perf_counter() - t0
 
 
-async def encdis_receive(handle, rows: int, hidden: int, chunk: int, keep: list | None = None,
-                         allocate=None) -> float:
-    """`allocate`: the receive buffers (the LLM node's shared region; None: the heap)."""
+async def encdis_receive(handle, rows: int, hidden: int, chunk: int, keep: list | None = None, allocate=None) -> float:
     from encdis.client.wire import ExpectedEmbedding
     from encdis.llm_node.coordinator.records import embedding_tensor
 

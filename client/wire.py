@@ -18,12 +18,10 @@ caller can run it off the event loop (the copy releases the GIL).
 from __future__ import annotations
 
 import hashlib
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 from google.protobuf.message import DecodeError
 
 from encdis.client.chunk_frames import chunk_frame, header_frame, parse_chunk_frame, parse_header_frame
@@ -43,6 +41,7 @@ from encdis.client.embedding import (
 )
 from encdis.client.errors import WireError
 from encdis.client.pb import encoder_pb2
+from encdis.client.receive_buffer import Allocate, ChunkCopy, ReceiveBuffer
 
 # The embedding types are part of this module's interface (encdis.client.embedding holds them).
 __all__ = [
@@ -198,46 +197,6 @@ class ExpectedEmbedding:
         if self.patches and t * h * w != self.patches:
             return f"announced grid_thw {list(header.grid_thw)} ({t * h * w} patches), expected {self.patches} patches"
         return None
-
-
-# A receive buffer of so many bytes (uint8, writable): where an embedding's chunks are put.
-Allocate = Callable[[int], np.ndarray]
-
-
-class ReceiveBuffer:
-    """One image's receive buffer. The heap's is made at once (np.empty: uncommitted until written,
-    so memory grows only as announced bytes arrive); an `allocate`d one at its first copy, in the
-    thread that runs it, since allocating may take time (the node's shared region reserves its
-    pages) that the loop checking every call's chunks must not spend."""
-
-    def __init__(self, nbytes: int, allocate: Allocate | None) -> None:
-        self.nbytes = nbytes
-        self._allocate = allocate
-        self._array = np.empty(nbytes, dtype=np.uint8) if allocate is None else None
-        self._lock = threading.Lock()
-
-    def array(self) -> np.ndarray:
-        if self._array is None:
-            with self._lock:  # the image's copies may run in several threads
-                if self._array is None:
-                    self._array = self._allocate(self.nbytes)
-        return self._array
-
-
-@dataclass(frozen=True)
-class ChunkCopy:
-    """A checked chunk and its place in its image's buffer; `run` copies it (releasing the GIL)."""
-
-    dst: ReceiveBuffer
-    start: int
-    src: bytes | memoryview
-
-    def run(self) -> None:
-        self.dst.array()[self.start:self.start + self.nbytes] = np.frombuffer(self.src, dtype=np.uint8)
-
-    @property
-    def nbytes(self) -> int:
-        return memoryview(self.src).nbytes
 
 
 class EmbeddingAssembler:
