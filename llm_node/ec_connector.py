@@ -28,7 +28,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorRole,
 )
 
-from encdis.llm_node.embedding_region import SAFE_DIGEST, load_name, pin_name
+from encdis.llm_node.embedding_region import SAFE_DIGEST, load_name, pin_name, remove_file
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -56,6 +56,7 @@ class EncdisECConnector(ECConnectorBase):
         self.ranks = parallel.tensor_parallel_size
         self.dtype = vllm_config.model_config.dtype
         self.hidden = vllm_config.model_config.get_inputs_embeds_size()
+        self.element = torch.empty(0, dtype=self.dtype).element_size()
         # Scheduler side.
         self._pins: dict[str, list[str]] = {}  # request id -> digests pinned for it
         self._pinned: dict[str, int] = {}  # digest -> requests holding a pin on it
@@ -127,7 +128,7 @@ class EncdisECConnector(ECConnectorBase):
 
     def _unpin(self, rid: str, digests: list[str]) -> None:
         for digest in digests:
-            _unlink(self._path(pin_name(digest, rid)))
+            remove_file(self._path(pin_name(digest, rid)))
 
     # ---- worker side ----------------------------------------------------------------
 
@@ -147,16 +148,15 @@ class EncdisECConnector(ECConnectorBase):
                 if digest not in encoder_cache:
                     encoder_cache[digest] = self._map(path, rows).to(device)
             finally:
-                _unlink(path)
+                remove_file(path)
 
     def _map(self, path: str, rows: int) -> torch.Tensor:
-        element = torch.empty(0, dtype=self.dtype).element_size()
-        want = rows * self.hidden * element
+        want = rows * self.hidden * self.element
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size != want:
                 raise RuntimeError(f"embedding {os.path.basename(path)} in the region has {size} bytes, "
-                                   f"expected {rows} rows x {self.hidden} x {element} = {want}")
+                                   f"expected {rows} rows x {self.hidden} x {self.element} = {want}")
             # A private mapping: the tensor is writable as torch wants, and shares the file's pages
             # unless something writes to it.
             mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
@@ -165,9 +165,3 @@ class EncdisECConnector(ECConnectorBase):
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
         return  # a consumer: the encoders produce
 
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -129,7 +129,7 @@ class EmbeddingRegion:
             os.posix_fallocate(fd, 0, nbytes)
             mapped = mmap.mmap(fd, nbytes)
         except (OSError, ValueError):
-            _unlink(path)
+            remove_file(path)
             return np.empty(nbytes, dtype=np.uint8)
         finally:
             os.close(fd)
@@ -143,7 +143,7 @@ class EmbeddingRegion:
     def _buffer_gone(self, address: int, path: str) -> None:
         with self._lock:
             self._buffers.pop(address, None)
-        _unlink(path)
+        remove_file(path)
 
     def file_of(self, rows: torch.Tensor) -> str | None:
         """The region file `rows` are the whole of, if they were received into one."""
@@ -199,7 +199,7 @@ class EmbeddingRegion:
                 self._sizes[digest] = rows.numel() * rows.element_size()
         except BaseException as e:
             self._failed[digest] = e
-            _unlink(partial)
+            remove_file(partial)
             raise
         finally:
             written.set()
@@ -216,13 +216,14 @@ class EmbeddingRegion:
                 self._sizes.pop(digest, None)
                 self._written.pop(digest, None)
                 # Under the lock: a request acquiring the digest next writes the file anew after this.
-                _unlink(os.path.join(self.path, digest))
+                remove_file(os.path.join(self.path, digest))
 
     def close(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
 
 
-def _unlink(path: str) -> None:
+def remove_file(path: str) -> None:
+    """Remove `path`; gone already is fine (the node and the engine each remove what they hold)."""
     try:
         os.unlink(path)
     except FileNotFoundError:
