@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -27,7 +28,7 @@ import grpc
 
 from encdis.client.client_base import AsyncClient, SyncClient
 from encdis.client.colocated import ColocatedReceiver, ColocatedStreamDecoder, Lookahead, receive_pending
-from encdis.client.errors import from_rpc_error
+from encdis.client.errors import EncdisError, from_rpc_error
 from encdis.client.pb import encoder_pb2, encoder_pb2_grpc
 from encdis.client.wire import Allocate, ChunkCopy, Embedding, ExpectedEmbedding, StreamDecoder
 
@@ -43,6 +44,8 @@ INLINE_COPY_BYTES = 256 * 1024
 # Chunks received but not yet copied into place, per call: bounds the memory they hold.
 MAX_PENDING_COPIES = 8
 RECEIVE_COPY_THREADS = 1
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,7 @@ class AsyncEncoderClient(AsyncClient):
         self._encode_raw = self._channel.unary_stream(
             ENCODE_METHOD, request_serializer=encoder_pb2.EncodeRequest.SerializeToString, _registered_method=True)
         self._copy_threads: ThreadPoolExecutor | None = None
+        self._tails: set[asyncio.Task] = set()  # calls whose images are all in, read to their end
 
     @property
     def channel(self) -> grpc.aio.Channel:
@@ -181,9 +185,13 @@ class AsyncEncoderClient(AsyncClient):
                           on_embedding_bytes: Callable[[int], object] | None = None,
                           colocated: ColocatedReceiver | None = None,
                           metadata: Sequence[tuple[str, str]] = (),
-                          allocate: Allocate | None = None) -> AsyncIterator[Embedding]:
+                          allocate: Allocate | None = None,
+                          on_tail_error: Callable[[EncdisError], object] | None = None) -> AsyncIterator[Embedding]:
         """Yield each image's embedding as soon as its last chunk arrives (chunks of at most
-        `max_chunk_bytes`; 0: the node's default).
+        `max_chunk_bytes`; 0: the node's default). Once every image is in, the iteration ends
+        without waiting for the call's end (its trailers take a loop round trip or more): the call
+        is read to its end in the background, and anything wrong there (a message more, an error
+        status) goes to `on_tail_error` (default: logged); the images given are checked whole.
 
         Each chunk is checked on the event loop (against the header, and the header against
         `expected` and `max_total_bytes`, as in EncoderClient.encode) and copied into place
@@ -205,6 +213,7 @@ class AsyncEncoderClient(AsyncClient):
         call = self._encode_raw(req, timeout=timeout or self.timeout, metadata=tuple(metadata) or None)
         deadline = time.monotonic() + (timeout or self.timeout) if (timeout or self.timeout) else None
         messages = Lookahead(call)
+        tail = False  # every image is in and the call's end is read in the background
         try:
             async for msg in messages:
                 copy = dec.accept(msg)
@@ -221,12 +230,41 @@ class AsyncEncoderClient(AsyncClient):
                     if on_embedding_bytes is not None:
                         on_embedding_bytes(emb.data.nbytes)
                     yield emb
+                if dec.all_taken:
+                    tail = True
+                    self._read_tail(messages, call, dec, on_tail_error)
+                    return
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         finally:
-            messages.cancel()
-            call.cancel()
+            if not tail:
+                messages.cancel()
+                call.cancel()
         dec.close()
+
+    def _read_tail(self, messages: Lookahead, call: Any, dec: StreamDecoder,
+                   on_error: Callable[[EncdisError], object] | None) -> None:
+        """Read a call whose images are all in to its end (not cancelled: the encoder ends it as
+        it always does), in a task this client holds until it is done."""
+
+        async def read() -> None:
+            try:
+                async for msg in messages:
+                    dec.accept(msg)  # nothing is due: a message more is the encoder's fault
+                dec.close()
+            except (grpc.RpcError, EncdisError) as e:
+                error = from_rpc_error(e) if isinstance(e, grpc.RpcError) else e
+                if on_error is not None:
+                    on_error(error)
+                else:
+                    log.warning("an Encode call failed after all its images arrived: %s", error)
+            finally:
+                messages.cancel()
+                call.cancel()
+
+        task = asyncio.ensure_future(read())
+        self._tails.add(task)
+        task.add_done_callback(self._tails.discard)
 
     def _copy_pool(self) -> ThreadPoolExecutor:
         if self._copy_threads is None:
@@ -249,6 +287,8 @@ class AsyncEncoderClient(AsyncClient):
         return list(r.present)
 
     async def close(self) -> None:
+        for task in list(self._tails):
+            task.cancel()
         await super().close()
         if self._copy_threads is not None:
             self._copy_threads.shutdown(wait=False)

@@ -348,6 +348,11 @@ class StreamDecoder:
         """Every chunk of the open image is accepted: `take` it once their copies ran."""
         return self._open is not None and self._open.complete
 
+    @property
+    def all_taken(self) -> bool:
+        """Every image the call asked for is taken: what follows is only the stream's end."""
+        return self._done == self.num_images
+
     def take(self) -> Embedding:
         if self._open is None or not self._open.complete:
             raise RuntimeError("no finished image to take")

@@ -153,6 +153,20 @@ class EmbeddingRegion:
             path, nbytes = self._buffers.get(rows.data_ptr(), (None, 0))
         return path if nbytes == rows.numel() * rows.element_size() else None
 
+    def links_only(self, images: Iterable[tuple[str, torch.Tensor]]) -> bool:
+        """Whether `acquire` would copy no bytes and wait for no other request's copy: each image is
+        held and written already, or its rows were received into the region (a link, microseconds).
+        Then a caller may acquire on the event loop instead of paying a thread hop."""
+        for digest, rows in images:
+            with self._lock:
+                written = self._written.get(digest)
+            if written is not None:
+                if not written.is_set():
+                    return False
+            elif (self.dtype is not None and rows.dtype != self.dtype) or self.file_of(rows) is None:
+                return False
+        return True
+
     def acquire(self, images: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hold each (digest, rows) for one request, writing the ones not in the region yet.
 

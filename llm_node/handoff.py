@@ -190,7 +190,11 @@ class RegionHandoff:
 
     async def mm_data(self, images: Sequence[ImageEmbedding]) -> tuple[dict[str, Any], dict[str, list[str]]]:
         """Hold `images` in the region for one request (release with `done`, however it ends)."""
-        await asyncio.to_thread(self.region.acquire, [(im.digest, im.embeds) for im in images])
+        held = [(im.digest, im.embeds) for im in images]
+        if self.region.links_only(held):
+            self.region.acquire(held)  # links only: less than the thread hop would cost
+        else:
+            await asyncio.to_thread(self.region.acquire, held)
         grid = torch.tensor([list(im.grid_thw) for im in images], dtype=torch.int64)
         return {"image": {"image_grid_thw": grid}}, {"image": [im.digest for im in images]}
 

@@ -9,6 +9,8 @@ of a constant value. Knobs are attributes a test sets:
     stall_after_header: seconds between an image's header and its first chunk
     hang_up_after_header: after the header (and the stall) the call ends UNAVAILABLE, as a call
         to an encoder killed mid-stream does: the embedding never arrives
+    linger_after_images: seconds a call stays open after its last image before it ends OK
+    extra_after_images: after its images, a call sends one header more (an image no one asked for)
     queue_seconds, batch_seconds: what each header reports
     rows_delta: rows more (or, negative, fewer) than the image's grid gives;
     rows_delta_in_header: True: the header announces those rows too (a self-consistent stream
@@ -62,6 +64,8 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
         self.vision_config = read_vision_config(ckpt)
         self.stall_after_header = 0.0
         self.hang_up_after_header = False
+        self.linger_after_images = 0.0
+        self.extra_after_images = False
         self.queue_seconds = 0.0
         self.batch_seconds = 0.01
         self.rows_delta = 0
@@ -78,6 +82,7 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
         self.report_hang_after: int | None = None
         self.reports_sent = 0
         self.calls = 0
+        self.calls_ended = self.calls_cancelled = 0  # calls that ran to their end / the caller cancelled
         self.sent_bytes = 0  # embedding bytes yielded to gRPC, over all calls
         self.address = ""
         self._server: grpc.aio.Server | None = None
@@ -134,6 +139,18 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
 
     async def Encode(self, request, context):
         self.calls += 1
+        try:
+            async for msg in self._encode(request):
+                yield msg
+            if self.extra_after_images:
+                yield encoder_pb2.EncodeResponse(header=encoder_pb2.EmbeddingHeader(image_index=len(request.images)))
+            await asyncio.sleep(self.linger_after_images)
+        except (asyncio.CancelledError, GeneratorExit):
+            self.calls_cancelled += 1
+            raise
+        self.calls_ended += 1
+
+    async def _encode(self, request):
         if self.resource_exhausted:
             raise ResourceExhausted("the fake encoder's queue is full")
         ident = self.identity

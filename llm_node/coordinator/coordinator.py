@@ -44,7 +44,7 @@ from encdis.image_header import ImageHeader
 from encdis.tracing import Tracing, record_span
 
 from .colocated import ColocatedTransport
-from .dispatch import Dispatcher, RequestTiming
+from .dispatch import Dispatcher
 from .embedding_cache import ClaimAbandoned, EmbeddingCache
 from .expectation import PendingImage
 from .handle import EncoderHandle, keepalive_options
@@ -52,7 +52,7 @@ from .identity import ModelIdentity, expected_tower_impl
 from .metrics import CoordinatorMetrics
 from .penalty import BackoffSchedule
 from .pool import EncoderPool, states_count
-from .records import EncodeResult, EncoderStatus, ImageEmbedding
+from .records import EncodeResult, EncoderStatus, ImageEmbedding, RequestTiming
 from .settings import CoordinatorSettings
 
 log = logging.getLogger(__name__)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import time
@@ -55,21 +56,10 @@ from .handle import EncoderHandle, EncoderState
 from .hedging import CallProgress, Hedger
 from .metrics import CoordinatorMetrics
 from .pool import EncoderPool
-from .records import ImageEmbedding, embedding_tensor
+from .records import ImageEmbedding, RequestTiming, embedding_tensor
 from .settings import CoordinatorSettings
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestTiming:
-    """Where one request's encode time went, each part measured on its own."""
-
-    wait: float = 0.0  # for a SERVING encoder, in the coordinator
-    queue: float = 0.0  # longest time an image sat in an encoder's queue
-    encode: float = 0.0  # longest forward among the request's batches
-    transfer: float = 0.0  # longest receive of one embedding (header to last byte, as a tensor)
-    retries: int = 0
 
 
 @dataclass
@@ -305,6 +295,7 @@ class Dispatcher:
                 colocated=self.colocated.receiver(h) if self.colocated is not None else None,
                 metadata=trace_metadata(),  # this call's span, as W3C trace context
                 allocate=self.receive_buffers,
+                on_tail_error=functools.partial(self._tail_failed, h),
             )
             async with contextlib.aclosing(stream):  # cancel the RPC at once if we stop reading
                 async for emb in stream:
@@ -341,9 +332,7 @@ class Dispatcher:
             # The pair failed, not the encoder (the pair is closed): the images go again, over gRPC.
             return _CallFailure(h, e, jobs)
         except (FailedPrecondition, WireError) as e:
-            # It sent something other than what was asked (or claims a model mismatch mid-call).
-            self.metrics.encoder_faults.labels(h.address, "bad_embedding").inc()
-            self.pool.penalise(h, EncoderState.QUARANTINED, e.message)
+            self._quarantine(h, e)
             return _CallFailure(h, e, jobs)
         except DeadlineExceeded:
             left = [j.index for pos, j in enumerate(jobs) if pos not in done]
@@ -373,6 +362,17 @@ class Dispatcher:
             for pos, ticket in enumerate(tickets):
                 if pos not in done:
                     self.pool.complete_work(ticket)
+
+    def _quarantine(self, h: EncoderHandle, e: EncdisError) -> None:
+        """It sent something other than what was asked (or claims a model mismatch mid-call)."""
+        self.metrics.encoder_faults.labels(h.address, "bad_embedding").inc()
+        self.pool.penalise(h, EncoderState.QUARANTINED, e.message)
+
+    def _tail_failed(self, h: EncoderHandle, e: EncdisError) -> None:  # after every image of the call arrived
+        if isinstance(e, (FailedPrecondition, WireError)):
+            self._quarantine(h, e)
+        else:
+            log.info("encoder %s: an Encode call failed after all its images arrived: %s", h.address, e)
 
     def _check(self, emb: Embedding, job: PendingImage, datatype: str | None) -> ImageEmbedding:
         """The received embedding as a tensor, after checking it is exactly the one we asked for."""

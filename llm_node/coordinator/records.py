@@ -29,6 +29,17 @@ class ImageEmbedding:
         return self.embeds.numel() * self.embeds.element_size()
 
 
+@dataclass
+class RequestTiming:
+    """Where one request's encode time went, each part measured on its own."""
+
+    wait: float = 0.0  # for a SERVING encoder, in the coordinator
+    queue: float = 0.0  # longest time an image sat in an encoder's queue
+    encode: float = 0.0  # longest forward among the request's batches
+    transfer: float = 0.0  # longest receive of one embedding (header to last byte, as a tensor)
+    retries: int = 0
+
+
 @dataclass(frozen=True)
 class EncodeResult:
     """A request's embeddings in image order, and where its encode time went.

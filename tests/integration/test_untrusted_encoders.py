@@ -186,3 +186,29 @@ async def test_concurrent_requests_to_one_bad_encoder_count_as_one_fault(real, f
             assert_equal_to_direct_call(result, real, images)
         bad = status(coord, fake.address)
         assert bad.state == "quarantined" and bad.faults == 1 and bad.backoff_seconds == 60.0
+
+
+async def test_images_are_used_as_they_arrive_not_when_the_call_ends(fake, tiny_ckpt) -> None:
+    fake.linger_after_images = 5.0  # the call stays open this long after its last image
+    async with coordinator(tiny_ckpt, [fake.address]) as coord:
+        await wait_for(lambda: len(coord.pool.serving()) == 1, what="the fake serving")
+        t0 = time.monotonic()
+        result = await coord.encode([png(224, 224, seed=7000)])
+        assert time.monotonic() - t0 < fake.linger_after_images, "the request waited for the call's end"
+        assert torch.all(result.images[0].embeds == 0.0)  # the fake's rows for image 0
+        # The call is read to its end in the background, not cancelled: the encoder ends it as always.
+        await wait_for(lambda: fake.calls_ended == 1, timeout=15, what="the call's own end")
+        assert fake.calls_cancelled == 0
+        assert status(coord, fake.address).state == "serving"
+
+
+async def test_an_encoder_sending_more_after_its_images_is_quarantined(fake, tiny_ckpt) -> None:
+    fake.extra_after_images = True
+    async with coordinator(tiny_ckpt, [fake.address], quarantine_seconds=60.0) as coord:
+        await wait_for(lambda: len(coord.pool.serving()) == 1, what="the fake serving")
+        result = await coord.encode([png(224, 224, seed=7100)])  # every image was whole and checked
+        assert len(result.images) == 1
+        await wait_for(lambda: status(coord, fake.address).state == "quarantined", what="the fake quarantined")
+        assert "more images than the 1 requested" in status(coord, fake.address).reason
+        assert metric(coord.registry, "encdis_coordinator_encoder_faults_total",
+                      encoder=fake.address, kind="bad_embedding") == 1

@@ -182,7 +182,12 @@ def test_rows_received_into_the_region_are_linked_not_copied(region):
     received = torch.frombuffer(memoryview(buf), dtype=torch.float32).view(4, HIDDEN)  # as the coordinator does
     received.copy_(rows(4, 9))
     (buffer_file,) = files(region)
+    # Only links to make: the node takes them on its loop, without a thread hop.
+    assert region.links_only([("rx", received)])
+    assert not region.links_only([("rx", received), ("heap", rows(4, 9))])  # heap rows are copied
+    assert not region.links_only([("rx", received.to(torch.bfloat16))])  # a dtype conversion is a copy
     region.acquire([("rx", received)])
+    assert region.links_only([("rx", rows(4, 1))])  # held and written: a count, whatever rows come
     assert os.stat(os.path.join(region.path, "rx")).st_ino == os.stat(os.path.join(region.path, buffer_file)).st_ino
     region.release(["rx"])
     assert files(region) == [buffer_file]  # the coordinator's tensor still holds its buffer
