@@ -11,26 +11,32 @@ between threads, gRPC calls starting and ending, the handoff to vLLM.
     python bench/request_timeline.py [--model DIR] [--requests 12] [--warmup 3] [--image 224]
 
 Measured: shared 2-core x86 VM, torch CPU, gRPC door, 224x224 PNG, 4 tokens, nothing pinned to
-cores (`python bench/request_timeline.py`):
+cores (`python bench/request_timeline.py --requests 16`), the node's default (--handoff region):
 
-    service       span                                           start     end   (ms, medians of 12)
-    encdis-llm    encdis.generate                                 0.00   23.56
-    encdis-llm    encdis.coordinator.encode                       0.59   11.03
-    encdis-llm    encdis.coordinator.image                        0.86   10.60
-    encdis-llm    encdis.coordinator.encode_call                  0.86   10.95
-    encdis-encod  encdis.encoder.Encode                           1.72   10.27
-    encdis-encod  encdis.encoder.queue                            1.96    4.09
-    encdis-encod  encdis.encoder.preprocess                       2.06    3.91
-    encdis-encod  encdis.encoder.decode                           2.14    2.73
-    encdis-encod  encdis.encoder.send                             3.99   10.22
-    encdis-encod  encdis.encoder.forward                          4.09    9.75
-    unknown_serv  llm_request                                    11.63   23.13
+    service       span                                            start     end   (ms, medians of 16)
+    encdis-llm    encdis.generate                                  0.00   28.45
+    encdis-llm    encdis.coordinator.encode                        0.85   13.97
+    encdis-llm    encdis.coordinator.image                         1.15   13.59
+    encdis-llm    encdis.coordinator.encode_call                   1.15   13.84
+    encdis-encod  encdis.encoder.Encode                            2.36   27.98
+    encdis-encod  encdis.encoder.queue                             2.70    5.33
+    encdis-encod  encdis.encoder.preprocess                        2.76    5.02
+    encdis-encod  encdis.encoder.decode                            2.84    3.48
+    encdis-encod  encdis.encoder.send                              5.16   27.79
+    encdis-encod  encdis.encoder.forward                           5.33   12.08
+    unknown_serv  llm_request                                     14.52   27.86
 
-Beyond the encoder's preprocessing (1.9 ms, work `vllm serve` does too) and forward: 0.6 ms
-before the coordinator starts (prompt rendering and checks in a worker thread), 0.9 ms from the
-call's start to the encoder's handler, 0.7 ms from the encoder's last byte to the call's end,
-0.6 ms from the embedding in hand to vLLM's request starting. The same command again: 0.9, 1.3,
-0.4 and 0.8 ms (forward 7.7 ms: this machine's noise).
+Beyond the encoder's preprocessing (2.3 ms, work `vllm serve` does too) and forward: 0.85 ms
+before the coordinator starts (prompt rendering and checks in a worker thread, the hop to the
+coordinator's thread), 1.2 ms from the call's start to the encoder's handler, 1.5 ms from the
+forward's result to the embedding in hand (the encoder's loop, its frames, the wire, the checks),
+0.4 ms to the coordinator's answer and 0.55 ms from there to vLLM's request starting: 4.5 ms in
+all. Before the coordinator stopped waiting for each call's end (its trailers, which came 0.9 ms
+after the last image and are now read in the background, client/encoder_client.py) and the
+region's handoff stopped taking a thread hop for links alone, the same command gave 0.86, 1.36,
+1.63, 0.90 and 0.63 ms: 5.4 ms. The encoder's own spans now end after vLLM's request: its last
+frame's send completes once the core it shares with vLLM's prefill is free, which no request
+waits for.
 """
 
 from __future__ import annotations

@@ -4,7 +4,10 @@ Two routes (--handoff). "region", the default: the rows are written once into th
 region, the request carries only each image's digest (its uuid) and grid, and every worker maps
 the rows through encdis's encoder-cache connector (llm_node/embedding_region.py and
 llm_node/ec_connector.py; RegionHandoff below). "embeds": the rows go in the request as vLLM's
-`image_embeds` (EmbeddingHandoff below), the route measured first and described next.
+`image_embeds` (EmbeddingHandoff below), the route measured first and described next. A request
+whose rows were all received into the region (or are held by another request already) is handed
+over on the loop: a hard link each, microseconds, less than a thread hop; rows to copy go to a
+worker thread.
 
 Route "embeds": each request's images reach AsyncLLM as `multi_modal_data={"image":
 {"image_embeds", "image_grid_thw"}}` with their content digests as uuids. The coordinator hands
