@@ -156,7 +156,10 @@ class EmbeddingRegion:
     def links_only(self, images: Iterable[tuple[str, torch.Tensor]]) -> bool:
         """Whether `acquire` would copy no bytes and wait for no other request's copy: each image is
         held and written already, or its rows were received into the region (a link, microseconds).
-        Then a caller may acquire on the event loop instead of paying a thread hop."""
+        Then a caller may acquire on the event loop instead of paying a thread hop. (Another request
+        starting to write the same digest from a worker thread at this very moment, with other
+        rows for it, would still make `acquire` wait for that write: a cache eviction and a new
+        encode of the digest within the same microseconds.)"""
         for digest, rows in images:
             with self._lock:
                 written = self._written.get(digest)
