@@ -47,6 +47,8 @@ class EngineReaper:
             if p.pid == self.proc.pid:
                 continue
             try:
+                if _is_resource_tracker(p):
+                    continue
                 procs.append({"pid": p.pid, "created": p.create_time()})
             except psutil.Error:
                 continue
@@ -62,6 +64,13 @@ class EngineReaper:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+def _is_resource_tracker(p) -> bool:
+    """Python's multiprocessing resource tracker: it ignores SIGTERM (so killing it would cost
+    _kill_all's whole wait), ends by itself once the last process holding its pipe is gone, and
+    then unlinks what they leaked. Killed, it would leave that shared memory behind."""
+    return "multiprocessing.resource_tracker" in " ".join(p.cmdline())
 
 
 def _kill_all(procs: list[dict]) -> None:

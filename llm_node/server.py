@@ -162,9 +162,11 @@ async def _serve(settings: LLMSettings, engine: EngineHost, exposure: Exposure) 
         service.draining = True
         if not await service.wait_idle(settings.drain_grace_seconds):
             log.warning("drain grace period (%.0fs) over with requests still in flight", settings.drain_grace_seconds)
-        await server.stop(grace=1.0)
+        # The HTTP door first: the gRPC server's end is what lets this node exit, and an HTTP
+        # door still stopping then would be cancelled halfway.
         if http_server is not None:
             await http_server.stop()
+        await server.stop(grace=1.0)
 
     engine_died = asyncio.Event()
 
@@ -177,9 +179,9 @@ async def _serve(settings: LLMSettings, engine: EngineHost, exposure: Exposure) 
         engine_died.set()
         await health.set_not_serving()
         service.draining = True
-        await server.stop(grace=0.5)
         if http_server is not None:
             await http_server.stop()
+        await server.stop(grace=0.5)
 
     watcher = asyncio.create_task(watch_engine(), name="encdis-engine-watch")
     serving.install_drain_signal_handlers(asyncio.get_running_loop(), drain)

@@ -11,7 +11,9 @@ relies on, each checked as an event:
 - the short streams finish with every token they asked for;
 - the long one is cut when --drain-grace-seconds is over (the node says so), and the node
   exits 0 then instead of waiting for it;
-- nothing of vLLM's outlives the node.
+- nothing of vLLM's outlives the node;
+- the shutdown is clean: no door cancelled halfway (a traceback in the log), and Python's
+  resource tracker ends by itself rather than being killed (it warns when it is).
 """
 
 from __future__ import annotations
@@ -166,5 +168,7 @@ def test_sigterm_drains_in_flight_streams_refuses_new_ones_and_exits_0_with_no_e
     assert node.wait(GRACE + 300) == 0
     log = node.log_path.read_text()
     assert re.search(rf"drain grace period \({GRACE}s\) over with requests still in flight", log), log[-3000:]
+    after_stop = log[log.index("encdis.llm_node.server: stopped"):]
+    assert "Traceback" not in after_stop and "resource_tracker" not in after_stop, after_stop[-3000:]
     _, alive = psutil.wait_procs(running(engines), timeout=30)
     assert not alive, f"engine processes outlived the node: {alive}"
