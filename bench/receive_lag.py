@@ -63,9 +63,10 @@ region's pages) still shares the cores with the sleeper. The same day, side by s
     region                0.8     11.9     23.6     1024
     region/main          0.15     0.49     0.66     1.05
 
-Receiving into the region costs its tmpfs pages being allocated and mapped during the receive (~100 ms of kernel time per
-173 MB here, where the heap recycles freed pages): the same work the heap route does later, when
-a request's rows are written into the region on their way to the engine (llm_node/handoff.py).
+Receiving into the region costs its tmpfs pages being allocated and mapped during the receive
+(~100 ms of kernel time per 173 MB here, where the heap recycles freed pages): the same work the
+heap route does later, when a request's rows are written into the region on their way to the
+engine (llm_node/handoff.py).
 """
 
 from __future__ import annotations
