@@ -27,7 +27,8 @@ class EncoderMetrics:
             "encdis_encoder_batch_patches", "Patches in one forward pass",
             buckets=(256, 1024, 2048, 4096, 8192, 16384, 32768, 65536), registry=r)
         self.queue_seconds = Histogram(
-            "encdis_encoder_queue_seconds", "Time from accepting an image to the start of its batch",
+            "encdis_encoder_queue_seconds",
+            "Time from accepting an image to the start of its batch (its decoding and preprocessing included)",
             buckets=_SECONDS_BUCKETS, registry=r)
         self.preprocess_seconds = Histogram(
             "encdis_encoder_preprocess_seconds", "Decode + image processor time per image",
