@@ -44,6 +44,8 @@ INLINE_COPY_BYTES = 256 * 1024
 # Chunks received but not yet copied into place, per call: bounds the memory they hold.
 MAX_PENDING_COPIES = 8
 RECEIVE_COPY_THREADS = 1
+# How long close() waits for calls whose images are all in to end before cancelling them.
+TAIL_GRACE_SECONDS = 1.0
 
 log = logging.getLogger(__name__)
 
@@ -287,6 +289,11 @@ class AsyncEncoderClient(AsyncClient):
         return list(r.present)
 
     async def close(self) -> None:
+        # A call whose images are all in ends on its own: its encoder sends the status right after
+        # them. Given a moment, it ends as the encoder sent it (its last send recorded and
+        # counted there) instead of cancelled; a call still open after that is cancelled.
+        if self._tails:
+            await asyncio.wait(list(self._tails), timeout=TAIL_GRACE_SECONDS)
         for task in list(self._tails):
             task.cancel()
         await super().close()

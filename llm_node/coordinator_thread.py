@@ -35,6 +35,19 @@ START_TIMEOUT_SECONDS = 30.0
 # The GIL switch interval the LLM node runs with (Python's default is 5 ms): how long the main
 # loop may wait for the GIL while this thread receives (bench/receive_lag.py, "thread+1ms").
 SWITCH_INTERVAL_SECONDS = 0.001
+# How long stopping waits for the tasks still running on the thread's loop to end once cancelled.
+STOP_TIMEOUT_SECONDS = 10.0
+
+
+async def _finish_tasks(timeout: float) -> None:
+    """Cancel every other task of the running loop, wait up to `timeout` for them, close its async generators."""
+    me = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not me]
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout)
+    await asyncio.get_running_loop().shutdown_asyncgens()
 
 
 class LoopThread:
@@ -70,10 +83,15 @@ class LoopThread:
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(in_context(), self.loop))
 
     async def stop(self) -> None:
-        """Stop the loop (after what `run` started has finished) and join the thread."""
+        """Cancel what still runs there and let it finish (as asyncio.run does at its end), then
+        stop the loop and join the thread. A task left pending would be destroyed with the closed
+        loop: its cleanup (a call's cancel, a cache claim's failure) would never run."""
         if not self._thread.is_alive():
             return
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        try:
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(_finish_tasks(STOP_TIMEOUT_SECONDS), self.loop))
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
         await asyncio.to_thread(self._thread.join, START_TIMEOUT_SECONDS)
         if not self._thread.is_alive():
             self.loop.close()

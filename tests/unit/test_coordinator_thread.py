@@ -96,3 +96,25 @@ async def test_the_coordinator_starts_encodes_and_stops_on_one_loop_not_the_call
     assert inner.loops["start"] is inner.loops["encode"] is inner.loops["stop"]
     assert inner.loops["start"] is not asyncio.get_running_loop()
     await ct.stop()  # a second stop is a no-op
+
+
+async def test_stopping_cancels_what_still_runs_there_and_lets_its_cleanup_finish() -> None:
+    # A request the node gave up waiting for (its encoder stalled past the drain's grace) is
+    # still running on the coordinator's loop at stop: its cleanup must run on a live loop, not
+    # be destroyed with a closed one.
+    lt = LoopThread("test-stop")
+    lt.start()
+    cleaned: list[str] = []
+
+    async def stalled() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            await asyncio.sleep(0.05)  # cleanup that awaits, as a call's cancel does
+            cleaned.append("stalled")
+
+    started = asyncio.run_coroutine_threadsafe(stalled(), lt.loop)
+    await asyncio.sleep(0.1)
+    await lt.stop()
+    assert cleaned == ["stalled"]
+    assert started.cancelled() and not lt.running and lt.loop.is_closed()
