@@ -202,22 +202,18 @@ async def test_images_are_used_as_they_arrive_not_when_the_call_ends(fake, tiny_
         assert status(coord, fake.address).state == "serving"
 
 
-# Qwen2.5-VL's resize bounds, as a coordinator sends them (the fake computes grids from them).
-PIXELS = {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280}
-
-
 async def test_a_client_closed_after_its_images_lets_the_call_end_and_cancels_a_lingering_one(fake) -> None:
     # Closed at once after its images, with the status a moment behind them: the call still ends
     # as the encoder sent it (its last send is recorded and counted there), not cancelled.
     fake.linger_after_images = 0.2
     async with AsyncEncoderClient(fake.address, timeout=30) as client:
-        assert len(await client.encode([png(224, 224, seed=7050)], **PIXELS)) == 1
+        assert len(await client.encode([png(224, 224, seed=7050)], min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)) == 1
     await wait_for(lambda: fake.calls_ended == 1, timeout=15, what="the call's own end")
     assert fake.calls_cancelled == 0
     # A call that stays open after its images does not hold close() up: it is cancelled.
     fake.linger_after_images = 30.0
     client = AsyncEncoderClient(fake.address, timeout=60)
-    assert len(await client.encode([png(224, 224, seed=7051)], **PIXELS)) == 1
+    assert len(await client.encode([png(224, 224, seed=7051)], min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)) == 1
     t0 = time.monotonic()
     await client.close()
     assert time.monotonic() - t0 < fake.linger_after_images, "close() waited for a lingering call's end"

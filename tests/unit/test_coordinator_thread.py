@@ -105,16 +105,18 @@ async def test_stopping_cancels_what_still_runs_there_and_lets_its_cleanup_finis
     lt = LoopThread("test-stop")
     lt.start()
     cleaned: list[str] = []
+    running = threading.Event()
 
     async def stalled() -> None:
+        running.set()
         try:
-            await asyncio.sleep(3600)
+            await asyncio.Event().wait()  # never set: only a cancel ends it
         finally:
-            await asyncio.sleep(0.05)  # cleanup that awaits, as a call's cancel does
+            await asyncio.sleep(0)  # cleanup that awaits, as a call's cancel does
             cleaned.append("stalled")
 
     started = asyncio.run_coroutine_threadsafe(stalled(), lt.loop)
-    await asyncio.sleep(0.1)
+    assert await asyncio.to_thread(running.wait, 30)
     await lt.stop()
     assert cleaned == ["stalled"]
     assert started.cancelled() and not lt.running and lt.loop.is_closed()
