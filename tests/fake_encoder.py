@@ -7,6 +7,9 @@ image's grid from its header with the same smart_resize as the real node, and se
 of a constant value. Knobs are attributes a test sets:
 
     stall_after_header: seconds between an image's header and its first chunk
+    hold: a threading.Event or None: after the header (and the stall) each image waits until
+        the test sets it; `images_held` counts the images that came to wait
+    (a call keeps the stall and hold it started with; `calls` counts it after reading them)
     hang_up_after_header: after the header (and the stall) the call ends UNAVAILABLE, as a call
         to an encoder killed mid-stream does: the embedding never arrives
     linger_after_images: seconds a call stays open after its last image before it ends OK
@@ -63,6 +66,8 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
                                                      read_processor_config(ckpt))
         self.vision_config = read_vision_config(ckpt)
         self.stall_after_header = 0.0
+        self.hold: threading.Event | None = None
+        self.images_held = 0
         self.hang_up_after_header = False
         self.linger_after_images = 0.0
         self.extra_after_images = False
@@ -138,9 +143,11 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
         raise Unavailable("the fake encoder opens no co-located pair")
 
     async def Encode(self, request, context):
+        # This call's stall and hold, read before it is counted: a test that sees the count may change them.
+        stall, hold = self.stall_after_header, self.hold
         self.calls += 1
         try:
-            async for msg in self._encode(request):
+            async for msg in self._encode(request, stall, hold):
                 yield msg
             if self.extra_after_images:
                 yield encoder_pb2.EncodeResponse(header=encoder_pb2.EmbeddingHeader(image_index=len(request.images)))
@@ -150,7 +157,7 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
             raise
         self.calls_ended += 1
 
-    async def _encode(self, request):
+    async def _encode(self, request, stall: float, hold: threading.Event | None):
         if self.resource_exhausted:
             raise ResourceExhausted("the fake encoder's queue is full")
         ident = self.identity
@@ -172,13 +179,21 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
                 return
             messages = self._messages(i, grid, rows, digest, batch)
             yield next(messages)  # the header
-            if self.stall_after_header:
-                await asyncio.sleep(self.stall_after_header)
+            if stall:
+                await asyncio.sleep(stall)
+            if hold is not None:
+                await self._wait_for_release(hold)
             if self.hang_up_after_header:
                 raise Unavailable("the fake encoder hung up mid-stream")
             for msg in messages:
                 self.sent_bytes += len(msg.chunk.data)
                 yield msg
+
+    async def _wait_for_release(self, hold: threading.Event) -> None:
+        # Polled: the test sets it from its own thread and loop.
+        self.images_held += 1
+        while not hold.is_set():
+            await asyncio.sleep(0.01)
 
     def _messages(self, index: int, grid, rows: int, digest: str, batch: BatchInfo):
         """Header and chunks of one image, with rows_delta applied as the knobs say."""

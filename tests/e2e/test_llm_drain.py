@@ -1,14 +1,18 @@
 """SIGTERM of a real LLM node as a rolling update sees it.
 
-A node of its own (this test ends it). At SIGTERM it has three short text streams in flight
-(two gRPC, one HTTP) and one request that would run far past the grace period: its image goes
-to the node's only encoder, a FakeEncoder (tests/fake_encoder.py) that stalls after the
-header for an hour, with every coordinator bound set longer than that. What an operator
-relies on, each checked as an event:
-- health turns NOT_SERVING first, while every stream is still running;
+A node of its own (this test ends it). Its only encoder is a FakeEncoder
+(tests/fake_encoder.py) with every coordinator bound set longer than an hour. At SIGTERM
+four requests are in flight, each with an image at the encoder: three short ones (two gRPC,
+one HTTP) whose embeddings the fake holds until the test lets them go, and one that would
+run far past the grace period: the fake stalls its image for an hour. Holding the short ones
+keeps them in flight at SIGTERM whatever the machine's speed (a text stream of a tiny model
+can end before the signal is delivered). What an operator relies on, each checked as an
+event:
+- health turns NOT_SERVING first, while every request is still in flight;
 - a new request is refused at once (gRPC UNAVAILABLE, HTTP 503 with Retry-After), while the
-  streams still run: it never waits for the drain;
-- the short streams finish with every token they asked for;
+  requests still run: it never waits for the drain;
+- the short requests, let go after the refusals, get their embeddings and stream every token
+  they asked for during the drain;
 - the long one is cut when --drain-grace-seconds is over (the node says so), and the node
   exits 0 then instead of waiting for it;
 - nothing of vLLM's outlives the node;
@@ -19,8 +23,10 @@ relies on, each checked as an event:
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import re
+import threading
 from pathlib import Path
 
 import grpc
@@ -45,17 +51,16 @@ SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Health
 
 
 @pytest.fixture(scope="module")
-def stalling_encoder(tiny_ckpt: Path):
+def fake_encoder(tiny_ckpt: Path):
     with FakeEncoderThread(tiny_ckpt) as fake:
-        fake.fake.stall_after_header = HOUR
         yield fake
 
 
 @pytest.fixture(scope="module")
-def node(tiny_ckpt: Path, stalling_encoder):
+def node(tiny_ckpt: Path, fake_encoder):
     n = start_node(["llm", "--model", str(tiny_ckpt), "--host", "127.0.0.1", "--port", "0",
                     "--metrics-port", "0", "--http-port", "0", "--drain-grace-seconds", str(GRACE),
-                    "--encoders", stalling_encoder.address, "--encode-timeout-seconds", str(HOUR),
+                    "--encoders", fake_encoder.address, "--encode-timeout-seconds", str(HOUR),
                     "--attempt-timeout-floor-seconds", str(HOUR), "--keepalive-time-seconds", str(HOUR)],
                    timeout=900, name="llm-drain")
     try:
@@ -65,16 +70,17 @@ def node(tiny_ckpt: Path, stalling_encoder):
 
 
 class HttpStream:
-    """One streaming chat completion over the node's HTTP door: its content pieces as they come."""
+    """One streaming chat completion with an image over the node's HTTP door: its content pieces."""
 
-    def __init__(self, base: str, model: str, max_tokens: int) -> None:
-        self.base, self.model, self.max_tokens = base, model, max_tokens
+    def __init__(self, base: str, model: str, max_tokens: int, image: bytes) -> None:
+        self.base, self.model, self.max_tokens, self.image = base, model, max_tokens, image
         self.pieces: list[str] = []
         self.finish_reason: str | None = None
-        self.started = asyncio.Event()
 
     async def run(self, client: httpx.AsyncClient) -> None:
-        body = {"model": self.model, "messages": [{"role": "user", "content": PROMPT}], "stream": True,
+        url = "data:image/png;base64," + base64.b64encode(self.image).decode()
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": PROMPT}]
+        body = {"model": self.model, "messages": [{"role": "user", "content": content}], "stream": True,
                 "max_tokens": self.max_tokens, "ignore_eos": True, "temperature": 0}
         async with client.stream("POST", f"{self.base}/v1/chat/completions", json=body) as r:
             assert r.status_code == 200, await r.aread()
@@ -84,24 +90,22 @@ class HttpStream:
                 choice = json.loads(line[len("data: "):])["choices"][0]
                 if choice["delta"].get("content"):
                     self.pieces.append(choice["delta"]["content"])
-                    self.started.set()
                 self.finish_reason = choice.get("finish_reason") or self.finish_reason
 
 
-async def grpc_stream(client: AsyncGenerateClient, max_tokens: int, started: asyncio.Event) -> GenerateResult:
+async def image_stream(client: AsyncGenerateClient, image: bytes, max_tokens: int) -> GenerateResult:
     out = GenerateResult()
-    async for chunk in client.generate_stream(PROMPT, max_tokens=max_tokens, ignore_eos=True):
+    async for chunk in client.generate_stream(PROMPT, [image], max_tokens=max_tokens, ignore_eos=True):
         out.add(chunk)
-        started.set()
     return out
 
 
-async def stalled_request(client: AsyncGenerateClient) -> GenerateResult:
-    """A request whose image never arrives: in flight until something ends it."""
-    out = GenerateResult()
-    async for chunk in client.generate_stream(PROMPT, [png(112, 112, seed=1)], max_tokens=8):
-        out.add(chunk)
-    return out
+async def wait_until(condition, streams: dict[str, asyncio.Future]) -> None:
+    """Polls a condition on the fake encoder, failing at once if a request ends meanwhile."""
+    while not condition():
+        for name, task in streams.items():
+            assert not task.done(), f"{name} ended early: {task.exception() or task.result()}"
+        await asyncio.sleep(0.05)
 
 
 async def drain_while_streaming(node: NodeProcess, fake) -> dict:
@@ -109,23 +113,23 @@ async def drain_while_streaming(node: NodeProcess, fake) -> dict:
     seen: dict = {}
     async with AsyncGenerateClient(node.address, timeout=600) as client, \
             httpx.AsyncClient(timeout=600) as http, grpc.aio.insecure_channel(node.address) as channel:
-        started = [asyncio.Event() for _ in range(2)]
-        short = [asyncio.ensure_future(grpc_stream(client, SHORT_TOKENS, e)) for e in started]
+        fake.stall_after_header = HOUR
+        endless = asyncio.ensure_future(image_stream(client, png(112, 112, seed=1), 8))
+        await wait_until(lambda: fake.calls == 1, {"the stalled request": endless})
+        # Later calls are held, not stalled; the first call keeps its hour.
+        fake.stall_after_header, fake.hold = 0.0, (release := threading.Event())
         model = (await http.get(f"{base}/v1/models")).json()["data"][0]["id"]
-        web = HttpStream(base, model, SHORT_TOKENS)
-        web_task = asyncio.ensure_future(web.run(http))
-        endless = asyncio.ensure_future(stalled_request(client))
-        streams = [*short, web_task, endless]
-        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in [*started, web.started])), 300)
-        while fake.fake.calls == 0:  # the stalled request is at the encoder
-            assert not endless.done(), endless.exception()
-            await asyncio.sleep(0.05)
+        web = HttpStream(base, model, SHORT_TOKENS, png(112, 112, seed=4))
+        streams = {"grpc request 1": asyncio.ensure_future(image_stream(client, png(112, 112, seed=2), SHORT_TOKENS)),
+                   "grpc request 2": asyncio.ensure_future(image_stream(client, png(112, 112, seed=3), SHORT_TOKENS)),
+                   "http request": asyncio.ensure_future(web.run(http)), "the stalled request": endless}
+        await wait_until(lambda: fake.images_held == 3, streams)
 
         watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
         assert (await watch.read()).status == SERVING
         node.terminate()
         seen["health"] = (await watch.read()).status
-        seen["streams_running_at_not_serving"] = sum(not t.done() for t in streams)
+        seen["ended_at_not_serving"] = [name for name, task in streams.items() if task.done()]
 
         with pytest.raises(Unavailable, match="draining") as refused:
             await client.generate(PROMPT, max_tokens=4)
@@ -133,29 +137,29 @@ async def drain_while_streaming(node: NodeProcess, fake) -> dict:
         r = await http.post(f"{base}/v1/chat/completions", json={
             "model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4})
         seen["http_refusal"] = (r.status_code, r.headers.get("retry-after"), r.json()["error"]["message"])
-        seen["endless_running_at_refusals"] = not endless.done()
+        seen["ended_at_refusals"] = [name for name, task in streams.items() if task.done()]
 
-        seen["short"] = await asyncio.gather(*short)
-        await web_task
+        release.set()
+        seen["short"] = await asyncio.gather(streams["grpc request 1"], streams["grpc request 2"])
+        await streams["http request"]
         seen["web"] = web
-        ended = (await asyncio.gather(endless, return_exceptions=True))[0]
-        seen["endless"] = ended
+        seen["endless"] = (await asyncio.gather(endless, return_exceptions=True))[0]
     return seen
 
 
 def test_sigterm_drains_in_flight_streams_refuses_new_ones_and_exits_0_with_no_engine_left(
-        node, stalling_encoder) -> None:
+        node, fake_encoder) -> None:
     engines = engine_processes(node)
     assert any(p.name() == "VLLM::EngineCore" for p in engines), [p.name() for p in engines]
 
-    seen = asyncio.run(drain_while_streaming(node, stalling_encoder))
+    seen = asyncio.run(drain_while_streaming(node, fake_encoder.fake))
 
     assert seen["health"] == NOT_SERVING
-    assert seen["streams_running_at_not_serving"] == 4, "a stream ended before health said NOT_SERVING"
+    assert seen["ended_at_not_serving"] == [], "ended before health said NOT_SERVING"
     assert seen["grpc_refusal"] == grpc.StatusCode.UNAVAILABLE
     status, retry_after, message = seen["http_refusal"]
     assert status == 503 and retry_after and "draining" in message
-    assert seen["endless_running_at_refusals"], "the refusals waited for the drain"
+    assert seen["ended_at_refusals"] == [], "the refusals waited for the drain"
 
     for result in seen["short"]:
         assert len(result.token_ids) == SHORT_TOKENS and result.finish_reason == "length"
