@@ -21,11 +21,12 @@ other load hit all of them alike; with --repeats N the table has each metric's m
 Printed: requests/s, mean/median/p99 time to first token and mean time per output token,
 each with its ratio to (a) at the same concurrency; the goals with PASS/MISS; for (b) and
 (c) the LLM node's mean time split per request (Prometheus histograms
-encdis_request_*_seconds, differenced around each run): queue/encode/transfer (coordinator
-and encoders), prefill/decode (vLLM), other (rendering, waits), and front = the client's
-TTFT minus the node's own (HTTP, JSON, base64, SSE); and the servers' CPU time per request
-by role (read from /proc around the measured requests only), with how busy each role kept
-its cores.
+encdis_request_*_seconds, differenced around each run): queue/preprocess/encode/transfer
+(coordinator and encoders; preprocess is the encoder's decoding and preprocessing, which
+tables measured before it was reported apart count in queue), prefill/decode (vLLM), other
+(rendering, waits), and front = the client's TTFT minus the node's own (HTTP, JSON, base64,
+SSE); and the servers' CPU time per request by role (read from /proc around the measured
+requests only), with how busy each role kept its cores.
 
     python bench/serve.py [--model DIR] [--cpus 0] [--extra-cpus 1] [--concurrency 1,8]
                           [--num-prompts 16] [--input-len 64] [--output-len 16] [--image-size 224]

@@ -30,7 +30,7 @@ MAX_MODEL_LEN = 4096
 VLLM_SERVE_ARGS = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
                    "--seed", "0", "--enforce-eager", "--limit-mm-per-prompt", '{"image": 16, "video": 0}']
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-STAGES = ("queue", "encode", "transfer", "prefill", "decode", "total")
+STAGES = ("queue", "preprocess", "encode", "transfer", "prefill", "decode", "total")
 
 
 def parse_cpus(text: str) -> list[int]:

@@ -86,7 +86,8 @@ class Embedding:
     data: bytes | memoryview  # as received: a writable view of the buffer the chunks were copied into
     digest: str
     batch: BatchInfo | None = None
-    queue_seconds: float = 0.0
+    queue_seconds: float = 0.0  # the encoder's, accept to the batch's start
+    preprocess_seconds: float = 0.0  # of that, decoding and preprocessing the image
     accepted_backlog: AcceptedBacklog | None = None  # the node's load when it took the call
     # Measured by the receiver: from its header's arrival to its last chunk's.
     receive_seconds: float = 0.0
@@ -142,6 +143,7 @@ def embedding_of(h: encoder_pb2.EmbeddingHeader, data: memoryview, receive_secon
         digest=h.digest,
         batch=batch,
         queue_seconds=h.queue_seconds,
+        preprocess_seconds=h.preprocess_seconds,
         accepted_backlog=(AcceptedBacklog(h.accepted_backlog_seconds, h.accepted_queued_patches)
                           if h.has_accepted_backlog else None),
         receive_seconds=receive_seconds,

@@ -28,7 +28,7 @@ from encdis.client.pb import llm_pb2, llm_pb2_grpc
 
 @dataclass(frozen=True)
 class TimeSplit:
-    """Where a request's time went, in seconds."""
+    """Where a request's time went, in seconds (llm.proto's TimeSplit says what each part holds)."""
 
     queue: float
     encode: float
@@ -36,11 +36,12 @@ class TimeSplit:
     prefill: float
     decode: float
     total: float
+    preprocess: float = 0.0  # the encoder's decoding and preprocessing (0 from a node that does not say)
 
     @classmethod
     def from_proto(cls, t: llm_pb2.TimeSplit) -> TimeSplit:
         return cls(t.queue_seconds, t.encode_seconds, t.transfer_seconds, t.prefill_seconds, t.decode_seconds,
-                   t.total_seconds)
+                   t.total_seconds, t.preprocess_seconds)
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,8 @@ def chunk_bytes(data: bytes | memoryview, max_chunk_bytes: int) -> Iterator[memo
 
 def _embedding_header(*, image_index: int, grid_thw: tuple[int, int, int], datatype: str, shape: tuple[int, int],
                       data: bytes | memoryview, digest: str, max_chunk_bytes: int, batch: BatchInfo | None,
-                      queue_seconds: float, accepted_backlog: AcceptedBacklog | None = None, cached: bool = False,
+                      queue_seconds: float, preprocess_seconds: float = 0.0,
+                      accepted_backlog: AcceptedBacklog | None = None, cached: bool = False,
                       ) -> tuple[encoder_pb2.EmbeddingHeader, list[memoryview]]:
     """The header of one image's embedding and the views its chunks carry (no bytes copied)."""
     expected = shape[0] * shape[1] * itemsize(datatype)
@@ -105,6 +106,7 @@ def _embedding_header(*, image_index: int, grid_thw: tuple[int, int, int], datat
         total_bytes=expected,
         num_chunks=len(chunks),
         queue_seconds=queue_seconds,
+        preprocess_seconds=preprocess_seconds,
         cached=cached,
     )
     if batch is not None:
@@ -125,12 +127,14 @@ def embedding_messages(
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
     batch: BatchInfo | None = None,
     queue_seconds: float = 0.0,
+    preprocess_seconds: float = 0.0,
     accepted_backlog: AcceptedBacklog | None = None,
 ) -> Iterator[encoder_pb2.EncodeResponse]:
     """The header, then the chunks, of one image's embedding, as protobuf messages."""
     header, chunks = _embedding_header(image_index=image_index, grid_thw=grid_thw, datatype=datatype, shape=shape,
                                        data=data, digest=digest, max_chunk_bytes=max_chunk_bytes, batch=batch,
-                                       queue_seconds=queue_seconds, accepted_backlog=accepted_backlog)
+                                       queue_seconds=queue_seconds, preprocess_seconds=preprocess_seconds,
+                                       accepted_backlog=accepted_backlog)
     yield encoder_pb2.EncodeResponse(header=header)
     for i, c in enumerate(chunks):
         yield encoder_pb2.EncodeResponse(
@@ -149,6 +153,7 @@ def embedding_frames(
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
     batch: BatchInfo | None = None,
     queue_seconds: float = 0.0,
+    preprocess_seconds: float = 0.0,
     accepted_backlog: AcceptedBacklog | None = None, cached: bool = False,  # cached: no forward ran
 ) -> Iterator[bytes]:
     """The embedding as serialised messages, chunk 0 in the header's; each chunk is one copy of its bytes.
@@ -158,7 +163,8 @@ def embedding_frames(
     """
     header, chunks = _embedding_header(image_index=image_index, grid_thw=grid_thw, datatype=datatype, shape=shape,
                                        data=data, digest=digest, max_chunk_bytes=max_chunk_bytes, batch=batch,
-                                       queue_seconds=queue_seconds, accepted_backlog=accepted_backlog, cached=cached)
+                                       queue_seconds=queue_seconds, preprocess_seconds=preprocess_seconds,
+                                       accepted_backlog=accepted_backlog, cached=cached)
     yield header_frame(encoder_pb2.EncodeResponse(header=header).SerializeToString(), image_index, chunks[0])
     for i in range(1, len(chunks)):
         yield chunk_frame(image_index, i, chunks[i])

@@ -41,13 +41,15 @@ class TowerOutput:
 
     embedding: torch.Tensor  # (num_tokens, hidden) on CPU
     batch: BatchInfo
-    queue_seconds: float
+    queue_seconds: float  # accept to the batch's start
+    preprocess_seconds: float  # of that, accept to submit: decoding and preprocessing
 
 
 @dataclass
 class _QueuedImage:
     image: PreparedImage
     accepted_at: float
+    submitted_at: float
     future: asyncio.Future
 
 
@@ -129,7 +131,7 @@ class Batcher:
     def submit(self, image: PreparedImage, accepted_at: float) -> asyncio.Future:
         """Queue an admitted image; the future resolves to its TowerOutput."""
         fut = asyncio.get_running_loop().create_future()
-        self._queue.append(_QueuedImage(image, accepted_at, fut))
+        self._queue.append(_QueuedImage(image, accepted_at, time.monotonic(), fut))
         self._wakeup.set()
         self._changed()
         return fut
@@ -229,4 +231,5 @@ class Batcher:
                 continue
             queue_s = started - job.accepted_at
             self._metrics.queue_seconds.observe(queue_s)
-            job.future.set_result(TowerOutput(embedding=outputs[i], batch=info, queue_seconds=queue_s))
+            job.future.set_result(TowerOutput(embedding=outputs[i], batch=info, queue_seconds=queue_s,
+                                              preprocess_seconds=job.submitted_at - job.accepted_at))

@@ -64,13 +64,13 @@ class Session:
 
 def colocated_header(index: int, grid_thw: tuple[int, int, int], digest: str, embedding: torch.Tensor,
                      datatype: str, tag: int, *, batch: BatchInfo | None, queue_seconds: float,
-                     accepted_backlog: AcceptedBacklog | None = None) -> bytes:
+                     preprocess_seconds: float = 0.0, accepted_backlog: AcceptedBacklog | None = None) -> bytes:
     """One image's header, serialised, saying its bytes follow on the group with `tag`."""
     rows, hidden = int(embedding.shape[0]), int(embedding.shape[1])
     header = encoder_pb2.EmbeddingHeader(
         image_index=index, grid_thw=list(grid_thw), num_tokens=rows, hidden_size=hidden, datatype=datatype,
         digest=digest, total_bytes=embedding.numel() * embedding.element_size(), num_chunks=0,
-        queue_seconds=queue_seconds, colocated=True, colocated_tag=tag,
+        queue_seconds=queue_seconds, preprocess_seconds=preprocess_seconds, colocated=True, colocated_tag=tag,
     )
     if batch is not None:
         header.batch.seconds = batch.seconds
@@ -142,10 +142,12 @@ class ColocatedSessions:
 
     async def frames(self, session: Session, index: int, grid_thw: tuple[int, int, int], digest: str,
                      embedding: torch.Tensor, datatype: str, tag: int, *, batch: BatchInfo | None,
-                     queue_seconds: float, accepted_backlog: AcceptedBacklog | None = None) -> AsyncIterator[bytes]:
+                     queue_seconds: float, preprocess_seconds: float = 0.0,
+                     accepted_backlog: AcceptedBacklog | None = None) -> AsyncIterator[bytes]:
         """The image's header (to yield on the stream), then its bytes sent over the group."""
         yield colocated_header(index, grid_thw, digest, embedding, datatype, tag, batch=batch,
-                               queue_seconds=queue_seconds, accepted_backlog=accepted_backlog)
+                               queue_seconds=queue_seconds, preprocess_seconds=preprocess_seconds,
+                               accepted_backlog=accepted_backlog)
         try:
             if self._stall:
                 await asyncio.sleep(self._stall)

@@ -64,14 +64,14 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 def reply_frames(index: int, grid_thw: tuple[int, int, int], digest: str, embedding: torch.Tensor, datatype: str,
                  max_chunk_bytes: int, *, batch: BatchInfo | None = None,
-                 queue_seconds: float = 0.0, accepted_backlog: AcceptedBacklog | None = None,
-                 cached: bool = False) -> Iterator[bytes]:
+                 queue_seconds: float = 0.0, preprocess_seconds: float = 0.0,
+                 accepted_backlog: AcceptedBacklog | None = None, cached: bool = False) -> Iterator[bytes]:
     """One image's embedding as Encode sends it: its header, then chunks sliced from the tensor in place."""
     return embedding_frames(
         image_index=index, grid_thw=grid_thw, datatype=datatype,
         shape=(int(embedding.shape[0]), int(embedding.shape[1])), data=tensor_bytes(embedding),
         digest=digest, max_chunk_bytes=max_chunk_bytes, batch=batch, queue_seconds=queue_seconds,
-        accepted_backlog=accepted_backlog, cached=cached,
+        preprocess_seconds=preprocess_seconds, accepted_backlog=accepted_backlog, cached=cached,
     )
 
 
@@ -290,7 +290,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                     # The batcher measured these; the spans end when this image's result arrived.
                     done = time.time_ns()
                     forward_ns = int(enc.batch.seconds * 1e9)
-                    record_span(tracer, span, "encdis.encoder.queue", done - forward_ns - int(enc.queue_seconds * 1e9),
+                    # The queue span is the wait in the batcher; the preprocess span holds the rest.
+                    waited_ns = int((enc.queue_seconds - enc.preprocess_seconds) * 1e9)
+                    record_span(tracer, span, "encdis.encoder.queue", done - forward_ns - waited_ns,
                                 done - forward_ns, **{"encdis.image_index": p.index})
                     record_span(tracer, span, "encdis.encoder.forward", done - forward_ns, done,
                                 **{"encdis.image_index": p.index, "encdis.batch_images": len(enc.batch.image_patches),
@@ -299,12 +301,12 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                     async for frame in self.colocated.frames(
                             session, p.index, p.grid_thw, p.digest, enc.embedding, model.tower.datatype,
                             request.colocated_tag_base + p.index, batch=enc.batch, queue_seconds=enc.queue_seconds,
-                            accepted_backlog=backlog):
+                            preprocess_seconds=enc.preprocess_seconds, accepted_backlog=backlog):
                         yield frame
                 else:
                     for frame in reply_frames(p.index, p.grid_thw, p.digest, enc.embedding, model.tower.datatype,
                                               chunk_bytes, batch=enc.batch, queue_seconds=enc.queue_seconds,
-                                              accepted_backlog=backlog):
+                                              preprocess_seconds=enc.preprocess_seconds, accepted_backlog=backlog):
                         yield frame
                 self.metrics.embedding_bytes.inc(enc.embedding.numel() * enc.embedding.element_size())
                 record_span(tracer, span, "encdis.encoder.send", t_send, time.time_ns(),

@@ -109,7 +109,8 @@ def print_report(answers: list, encoders: list) -> None:
         print(f"    answer: {r.text!r}")
         print(f"    tokens: {len(r.token_ids)} generated, {r.usage.prompt_tokens} prompt "
               f"({r.usage.image_tokens} image tokens, {r.usage.cached_images} cached images)")
-        print(f"    time split (ms): queue {t.queue * 1e3:.1f}  encode {t.encode * 1e3:.1f}  "
+        print(f"    time split (ms): queue {t.queue * 1e3:.1f}  preprocess {t.preprocess * 1e3:.1f}  "
+              f"encode {t.encode * 1e3:.1f}  "
               f"transfer {t.transfer * 1e3:.1f}  prefill {t.prefill * 1e3:.1f}  decode {t.decode * 1e3:.1f}  "
               f"total {t.total * 1e3:.1f}")
     total = sum(e.assigned_patches for e in encoders) or 1

@@ -143,18 +143,19 @@ class GenerationService:
         slot.reserve(sum(image_tokens) * self.coordinator.hidden_size * MAX_ITEMSIZE)
         self.metrics.images.inc(len(images))
         embedded: list[ImageEmbedding] = []
-        queue_s = encode_s = transfer_s = 0.0
+        queue_s = preprocess_s = encode_s = transfer_s = 0.0
         cached = 0
         if images:
             with trace.use_span(span):
                 result = await self.coordinator.encode(images, deadline=req.deadline, grids=grids)
             embedded = result.images
             cached = sum(result.cached)
-            queue_s, encode_s, transfer_s = result.queue_seconds, result.encode_seconds, result.transfer_seconds
+            queue_s, preprocess_s = result.queue_seconds, result.preprocess_seconds
+            encode_s, transfer_s = result.encode_seconds, result.transfer_seconds
         # vLLM traces only when the node does (the same endpoint), and warns when handed headers otherwise.
         trace_headers = dict(trace_metadata(trace.set_span_in_context(span))) if self.tracing.enabled else None
         async for step in self._run_engine(prompt, sampling, embedded, req.request_id, cached,
-                                           t_start, (queue_s, encode_s, transfer_s), trace_headers):
+                                           t_start, (queue_s, preprocess_s, encode_s, transfer_s), trace_headers):
             yield step
 
     def _prepare(self, images: list[bytes], messages: list[dict[str, Any]],
@@ -189,9 +190,9 @@ class GenerationService:
 
     async def _run_engine(self, prompt: str, sampling: SamplingSpec, embedded: list[ImageEmbedding],
                           request_id: str, cached: int, t_start: float,
-                          coordinator_split: tuple[float, float, float],
+                          coordinator_split: tuple[float, float, float, float],
                           trace_headers: dict[str, str] | None = None) -> AsyncIterator[Step]:
-        queue_s, encode_s, transfer_s = coordinator_split
+        queue_s, preprocess_s, encode_s, transfer_s = coordinator_split
         image_tokens = sum(int(e.embeds.shape[0]) for e in embedded)
         # The caller's id is theirs to reuse: two in flight with the same id never collide in vLLM.
         engine_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
@@ -211,7 +212,7 @@ class GenerationService:
                 yield Step(text=d.text, token_ids=d.token_ids)
                 continue
             first = t_first if t_first is not None else now
-            split = dict(queue=queue_s, encode=encode_s, transfer=transfer_s,
+            split = dict(queue=queue_s, preprocess=preprocess_s, encode=encode_s, transfer=transfer_s,
                          prefill=first - t_submit, decode=now - first, total=now - t_start)
             self.metrics.observe_split(**split)
             self.metrics.prompt_tokens.inc(prompt_tokens)

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 # Seconds; from sub-millisecond cache hits to multi-minute long generations.
 TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
-SPLIT_PARTS = ("queue", "encode", "transfer", "prefill", "decode", "total")
+SPLIT_PARTS = ("queue", "preprocess", "encode", "transfer", "prefill", "decode", "total")
 
 
 class LLMNodeMetrics:

@@ -14,7 +14,7 @@ of a constant value. Knobs are attributes a test sets:
         to an encoder killed mid-stream does: the embedding never arrives
     linger_after_images: seconds a call stays open after its last image before it ends OK
     extra_after_images: after its images, a call sends one header more (an image no one asked for)
-    queue_seconds, batch_seconds: what each header reports
+    queue_seconds, preprocess_seconds, batch_seconds: what each header reports
     rows_delta: rows more (or, negative, fewer) than the image's grid gives;
     rows_delta_in_header: True: the header announces those rows too (a self-consistent stream
         of the wrong size); False: the header announces the right rows, the bytes do not
@@ -72,6 +72,7 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
         self.linger_after_images = 0.0
         self.extra_after_images = False
         self.queue_seconds = 0.0
+        self.preprocess_seconds = 0.0
         self.batch_seconds = 0.01
         self.rows_delta = 0
         self.rows_delta_in_header = True
@@ -203,7 +204,7 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
         if self.rows_delta_in_header:
             yield from embedding_messages(image_index=index, grid_thw=grid, datatype=self.datatype,
                                           shape=emb.shape, data=emb.tobytes(), digest=digest, batch=batch,
-                                          queue_seconds=self.queue_seconds)
+                                          queue_seconds=self.queue_seconds, preprocess_seconds=self.preprocess_seconds)
             return
         # The header of the right size, then the bytes of the wrong one.
         right = np.zeros((rows, hidden), dtype=NUMPY_DTYPES[self.datatype])

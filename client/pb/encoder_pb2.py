@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x65ncdis/encoder/v1/encoder.proto\x12\x11\x65ncdis.encoder.v1\"\x97\x01\n\rEncodeRequest\x12\x0e\n\x06images\x18\x01 \x03(\x0c\x12\x12\n\nmin_pixels\x18\x02 \x01(\x04\x12\x12\n\nmax_pixels\x18\x03 \x01(\x04\x12\x17\n\x0fmax_chunk_bytes\x18\x04 \x01(\r\x12\x19\n\x11\x63olocated_session\x18\x05 \x01(\t\x12\x1a\n\x12\x63olocated_tag_base\x18\x06 \x01(\r\"\xba\x01\n\x0e\x45ncodeResponse\x12\x34\n\x06header\x18\x01 \x01(\x0b\x32\".encdis.encoder.v1.EmbeddingHeaderH\x00\x12\x32\n\x05\x63hunk\x18\x02 \x01(\x0b\x32!.encdis.encoder.v1.EmbeddingChunkH\x00\x12\x36\n\x0b\x66irst_chunk\x18\x03 \x01(\x0b\x32!.encdis.encoder.v1.EmbeddingChunkB\x06\n\x04kind\"\x8d\x03\n\x0f\x45mbeddingHeader\x12\x13\n\x0bimage_index\x18\x01 \x01(\r\x12\x10\n\x08grid_thw\x18\x02 \x03(\x03\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x13\n\x0bhidden_size\x18\x04 \x01(\r\x12\x10\n\x08\x64\x61tatype\x18\x05 \x01(\t\x12\x0e\n\x06\x64igest\x18\x06 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x07 \x01(\x04\x12\x12\n\nnum_chunks\x18\x08 \x01(\r\x12-\n\x05\x62\x61tch\x18\t \x01(\x0b\x32\x1e.encdis.encoder.v1.BatchTiming\x12\x15\n\rqueue_seconds\x18\n \x01(\x01\x12\x11\n\tcolocated\x18\x0b \x01(\x08\x12\x15\n\rcolocated_tag\x18\x0c \x01(\r\x12\x1c\n\x14has_accepted_backlog\x18\x1e \x01(\x08\x12 \n\x18\x61\x63\x63\x65pted_backlog_seconds\x18\x1f \x01(\x01\x12\x1f\n\x17\x61\x63\x63\x65pted_queued_patches\x18  \x01(\x04\x12\x0e\n\x06\x63\x61\x63hed\x18( \x01(\x08\"H\n\x0e\x45mbeddingChunk\x12\x13\n\x0bimage_index\x18\x01 \x01(\r\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"5\n\x0b\x42\x61tchTiming\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x12\x15\n\rimage_patches\x18\x02 \x03(\x04\"\x11\n\x0f\x44\x65scribeRequest\"\x84\x04\n\x10\x44\x65scribeResponse\x12\x1a\n\x12vision_config_json\x18\x01 \x01(\t\x12\x17\n\x0fout_hidden_size\x18\x02 \x01(\r\x12\x1b\n\x13weights_fingerprint\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x10\n\x08\x64\x61tatype\x18\x05 \x01(\t\x12\x19\n\x11max_batch_patches\x18\x06 \x01(\x04\x12\x1e\n\x16max_images_per_request\x18\x07 \x01(\r\x12\x17\n\x0fmax_image_bytes\x18\x08 \x01(\x04\x12\x18\n\x10max_image_pixels\x18\t \x01(\x04\x12\x12\n\nmin_pixels\x18\n \x01(\x04\x12\x12\n\nmax_pixels\x18\x0b \x01(\x04\x12\x12\n\npatch_size\x18\x0c \x01(\r\x12\x12\n\nmerge_size\x18\r \x01(\r\x12\x1b\n\x13temporal_patch_size\x18\x0e \x01(\r\x12\x0f\n\x07\x62oot_id\x18\x0f \x01(\t\x12\x10\n\x08hostname\x18\x10 \x01(\t\x12\x0f\n\x07version\x18\x11 \x01(\t\x12\x17\n\x0fmax_chunk_bytes\x18\x12 \x01(\r\x12\x14\n\x0cimage_loader\x18\x13 \x01(\t\x12\x15\n\rnet_namespace\x18\x1e \x01(\t\x12\x12\n\ntower_impl\x18( \x01(\t\x12\x13\n\x0b\x63\x61\x63he_bytes\x18) \x01(\x04\"\xa4\x01\n\x14OpenColocatedRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nstore_host\x18\x02 \x01(\t\x12\x12\n\nstore_port\x18\x03 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x05 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x06 \x01(\x01\x12\x15\n\rnet_namespace\x18\x07 \x01(\t\"\'\n\x15OpenColocatedResponse\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\"+\n\x15\x43loseColocatedRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x18\n\x16\x43loseColocatedResponse\"\x1d\n\nHasRequest\x12\x0f\n\x07\x64igests\x18\x01 \x03(\t\"\x1e\n\x0bHasResponse\x12\x0f\n\x07present\x18\x01 \x03(\x08\x32\xc7\x03\n\x0e\x45ncoderService\x12O\n\x06\x45ncode\x12 .encdis.encoder.v1.EncodeRequest\x1a!.encdis.encoder.v1.EncodeResponse0\x01\x12S\n\x08\x44\x65scribe\x12\".encdis.encoder.v1.DescribeRequest\x1a#.encdis.encoder.v1.DescribeResponse\x12\x62\n\rOpenColocated\x12\'.encdis.encoder.v1.OpenColocatedRequest\x1a(.encdis.encoder.v1.OpenColocatedResponse\x12\x65\n\x0e\x43loseColocated\x12(.encdis.encoder.v1.CloseColocatedRequest\x1a).encdis.encoder.v1.CloseColocatedResponse\x12\x44\n\x03Has\x12\x1d.encdis.encoder.v1.HasRequest\x1a\x1e.encdis.encoder.v1.HasResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x65ncdis/encoder/v1/encoder.proto\x12\x11\x65ncdis.encoder.v1\"\x97\x01\n\rEncodeRequest\x12\x0e\n\x06images\x18\x01 \x03(\x0c\x12\x12\n\nmin_pixels\x18\x02 \x01(\x04\x12\x12\n\nmax_pixels\x18\x03 \x01(\x04\x12\x17\n\x0fmax_chunk_bytes\x18\x04 \x01(\r\x12\x19\n\x11\x63olocated_session\x18\x05 \x01(\t\x12\x1a\n\x12\x63olocated_tag_base\x18\x06 \x01(\r\"\xba\x01\n\x0e\x45ncodeResponse\x12\x34\n\x06header\x18\x01 \x01(\x0b\x32\".encdis.encoder.v1.EmbeddingHeaderH\x00\x12\x32\n\x05\x63hunk\x18\x02 \x01(\x0b\x32!.encdis.encoder.v1.EmbeddingChunkH\x00\x12\x36\n\x0b\x66irst_chunk\x18\x03 \x01(\x0b\x32!.encdis.encoder.v1.EmbeddingChunkB\x06\n\x04kind\"\xa9\x03\n\x0f\x45mbeddingHeader\x12\x13\n\x0bimage_index\x18\x01 \x01(\r\x12\x10\n\x08grid_thw\x18\x02 \x03(\x03\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x13\n\x0bhidden_size\x18\x04 \x01(\r\x12\x10\n\x08\x64\x61tatype\x18\x05 \x01(\t\x12\x0e\n\x06\x64igest\x18\x06 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x07 \x01(\x04\x12\x12\n\nnum_chunks\x18\x08 \x01(\r\x12-\n\x05\x62\x61tch\x18\t \x01(\x0b\x32\x1e.encdis.encoder.v1.BatchTiming\x12\x15\n\rqueue_seconds\x18\n \x01(\x01\x12\x1a\n\x12preprocess_seconds\x18\r \x01(\x01\x12\x11\n\tcolocated\x18\x0b \x01(\x08\x12\x15\n\rcolocated_tag\x18\x0c \x01(\r\x12\x1c\n\x14has_accepted_backlog\x18\x1e \x01(\x08\x12 \n\x18\x61\x63\x63\x65pted_backlog_seconds\x18\x1f \x01(\x01\x12\x1f\n\x17\x61\x63\x63\x65pted_queued_patches\x18  \x01(\x04\x12\x0e\n\x06\x63\x61\x63hed\x18( \x01(\x08\"H\n\x0e\x45mbeddingChunk\x12\x13\n\x0bimage_index\x18\x01 \x01(\r\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"5\n\x0b\x42\x61tchTiming\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x12\x15\n\rimage_patches\x18\x02 \x03(\x04\"\x11\n\x0f\x44\x65scribeRequest\"\x84\x04\n\x10\x44\x65scribeResponse\x12\x1a\n\x12vision_config_json\x18\x01 \x01(\t\x12\x17\n\x0fout_hidden_size\x18\x02 \x01(\r\x12\x1b\n\x13weights_fingerprint\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x10\n\x08\x64\x61tatype\x18\x05 \x01(\t\x12\x19\n\x11max_batch_patches\x18\x06 \x01(\x04\x12\x1e\n\x16max_images_per_request\x18\x07 \x01(\r\x12\x17\n\x0fmax_image_bytes\x18\x08 \x01(\x04\x12\x18\n\x10max_image_pixels\x18\t \x01(\x04\x12\x12\n\nmin_pixels\x18\n \x01(\x04\x12\x12\n\nmax_pixels\x18\x0b \x01(\x04\x12\x12\n\npatch_size\x18\x0c \x01(\r\x12\x12\n\nmerge_size\x18\r \x01(\r\x12\x1b\n\x13temporal_patch_size\x18\x0e \x01(\r\x12\x0f\n\x07\x62oot_id\x18\x0f \x01(\t\x12\x10\n\x08hostname\x18\x10 \x01(\t\x12\x0f\n\x07version\x18\x11 \x01(\t\x12\x17\n\x0fmax_chunk_bytes\x18\x12 \x01(\r\x12\x14\n\x0cimage_loader\x18\x13 \x01(\t\x12\x15\n\rnet_namespace\x18\x1e \x01(\t\x12\x12\n\ntower_impl\x18( \x01(\t\x12\x13\n\x0b\x63\x61\x63he_bytes\x18) \x01(\x04\"\xa4\x01\n\x14OpenColocatedRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nstore_host\x18\x02 \x01(\t\x12\x12\n\nstore_port\x18\x03 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x05 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x06 \x01(\x01\x12\x15\n\rnet_namespace\x18\x07 \x01(\t\"\'\n\x15OpenColocatedResponse\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\"+\n\x15\x43loseColocatedRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x18\n\x16\x43loseColocatedResponse\"\x1d\n\nHasRequest\x12\x0f\n\x07\x64igests\x18\x01 \x03(\t\"\x1e\n\x0bHasResponse\x12\x0f\n\x07present\x18\x01 \x03(\x08\x32\xc7\x03\n\x0e\x45ncoderService\x12O\n\x06\x45ncode\x12 .encdis.encoder.v1.EncodeRequest\x1a!.encdis.encoder.v1.EncodeResponse0\x01\x12S\n\x08\x44\x65scribe\x12\".encdis.encoder.v1.DescribeRequest\x1a#.encdis.encoder.v1.DescribeResponse\x12\x62\n\rOpenColocated\x12\'.encdis.encoder.v1.OpenColocatedRequest\x1a(.encdis.encoder.v1.OpenColocatedResponse\x12\x65\n\x0e\x43loseColocated\x12(.encdis.encoder.v1.CloseColocatedRequest\x1a).encdis.encoder.v1.CloseColocatedResponse\x12\x44\n\x03Has\x12\x1d.encdis.encoder.v1.HasRequest\x1a\x1e.encdis.encoder.v1.HasResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,27 +36,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENCODERESPONSE']._serialized_start=209
   _globals['_ENCODERESPONSE']._serialized_end=395
   _globals['_EMBEDDINGHEADER']._serialized_start=398
-  _globals['_EMBEDDINGHEADER']._serialized_end=795
-  _globals['_EMBEDDINGCHUNK']._serialized_start=797
-  _globals['_EMBEDDINGCHUNK']._serialized_end=869
-  _globals['_BATCHTIMING']._serialized_start=871
-  _globals['_BATCHTIMING']._serialized_end=924
-  _globals['_DESCRIBEREQUEST']._serialized_start=926
-  _globals['_DESCRIBEREQUEST']._serialized_end=943
-  _globals['_DESCRIBERESPONSE']._serialized_start=946
-  _globals['_DESCRIBERESPONSE']._serialized_end=1462
-  _globals['_OPENCOLOCATEDREQUEST']._serialized_start=1465
-  _globals['_OPENCOLOCATEDREQUEST']._serialized_end=1629
-  _globals['_OPENCOLOCATEDRESPONSE']._serialized_start=1631
-  _globals['_OPENCOLOCATEDRESPONSE']._serialized_end=1670
-  _globals['_CLOSECOLOCATEDREQUEST']._serialized_start=1672
-  _globals['_CLOSECOLOCATEDREQUEST']._serialized_end=1715
-  _globals['_CLOSECOLOCATEDRESPONSE']._serialized_start=1717
-  _globals['_CLOSECOLOCATEDRESPONSE']._serialized_end=1741
-  _globals['_HASREQUEST']._serialized_start=1743
-  _globals['_HASREQUEST']._serialized_end=1772
-  _globals['_HASRESPONSE']._serialized_start=1774
-  _globals['_HASRESPONSE']._serialized_end=1804
-  _globals['_ENCODERSERVICE']._serialized_start=1807
-  _globals['_ENCODERSERVICE']._serialized_end=2262
+  _globals['_EMBEDDINGHEADER']._serialized_end=823
+  _globals['_EMBEDDINGCHUNK']._serialized_start=825
+  _globals['_EMBEDDINGCHUNK']._serialized_end=897
+  _globals['_BATCHTIMING']._serialized_start=899
+  _globals['_BATCHTIMING']._serialized_end=952
+  _globals['_DESCRIBEREQUEST']._serialized_start=954
+  _globals['_DESCRIBEREQUEST']._serialized_end=971
+  _globals['_DESCRIBERESPONSE']._serialized_start=974
+  _globals['_DESCRIBERESPONSE']._serialized_end=1490
+  _globals['_OPENCOLOCATEDREQUEST']._serialized_start=1493
+  _globals['_OPENCOLOCATEDREQUEST']._serialized_end=1657
+  _globals['_OPENCOLOCATEDRESPONSE']._serialized_start=1659
+  _globals['_OPENCOLOCATEDRESPONSE']._serialized_end=1698
+  _globals['_CLOSECOLOCATEDREQUEST']._serialized_start=1700
+  _globals['_CLOSECOLOCATEDREQUEST']._serialized_end=1743
+  _globals['_CLOSECOLOCATEDRESPONSE']._serialized_start=1745
+  _globals['_CLOSECOLOCATEDRESPONSE']._serialized_end=1769
+  _globals['_HASREQUEST']._serialized_start=1771
+  _globals['_HASREQUEST']._serialized_end=1800
+  _globals['_HASRESPONSE']._serialized_start=1802
+  _globals['_HASRESPONSE']._serialized_end=1832
+  _globals['_ENCODERSERVICE']._serialized_start=1835
+  _globals['_ENCODERSERVICE']._serialized_end=2290
 # @@protoc_insertion_point(module_scope)

@@ -33,7 +33,7 @@ class EncodeResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[EmbeddingHeader, _Mapping]] = ..., chunk: _Optional[_Union[EmbeddingChunk, _Mapping]] = ..., first_chunk: _Optional[_Union[EmbeddingChunk, _Mapping]] = ...) -> None: ...
 
 class EmbeddingHeader(_message.Message):
-    __slots__ = ("image_index", "grid_thw", "num_tokens", "hidden_size", "datatype", "digest", "total_bytes", "num_chunks", "batch", "queue_seconds", "colocated", "colocated_tag", "has_accepted_backlog", "accepted_backlog_seconds", "accepted_queued_patches", "cached")
+    __slots__ = ("image_index", "grid_thw", "num_tokens", "hidden_size", "datatype", "digest", "total_bytes", "num_chunks", "batch", "queue_seconds", "preprocess_seconds", "colocated", "colocated_tag", "has_accepted_backlog", "accepted_backlog_seconds", "accepted_queued_patches", "cached")
     IMAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class EmbeddingHeader(_message.Message):
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREPROCESS_SECONDS_FIELD_NUMBER: _ClassVar[int]
     COLOCATED_FIELD_NUMBER: _ClassVar[int]
     COLOCATED_TAG_FIELD_NUMBER: _ClassVar[int]
     HAS_ACCEPTED_BACKLOG_FIELD_NUMBER: _ClassVar[int]
@@ -60,13 +61,14 @@ class EmbeddingHeader(_message.Message):
     num_chunks: int
     batch: BatchTiming
     queue_seconds: float
+    preprocess_seconds: float
     colocated: bool
     colocated_tag: int
     has_accepted_backlog: bool
     accepted_backlog_seconds: float
     accepted_queued_patches: int
     cached: bool
-    def __init__(self, image_index: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., datatype: _Optional[str] = ..., digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., batch: _Optional[_Union[BatchTiming, _Mapping]] = ..., queue_seconds: _Optional[float] = ..., colocated: _Optional[bool] = ..., colocated_tag: _Optional[int] = ..., has_accepted_backlog: _Optional[bool] = ..., accepted_backlog_seconds: _Optional[float] = ..., accepted_queued_patches: _Optional[int] = ..., cached: _Optional[bool] = ...) -> None: ...
+    def __init__(self, image_index: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., datatype: _Optional[str] = ..., digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., batch: _Optional[_Union[BatchTiming, _Mapping]] = ..., queue_seconds: _Optional[float] = ..., preprocess_seconds: _Optional[float] = ..., colocated: _Optional[bool] = ..., colocated_tag: _Optional[int] = ..., has_accepted_backlog: _Optional[bool] = ..., accepted_backlog_seconds: _Optional[float] = ..., accepted_queued_patches: _Optional[int] = ..., cached: _Optional[bool] = ...) -> None: ...
 
 class EmbeddingChunk(_message.Message):
     __slots__ = ("image_index", "chunk_index", "data")

@@ -63,20 +63,22 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ..., images: _Optional[int] = ..., cached_images: _Optional[int] = ...) -> None: ...
 
 class TimeSplit(_message.Message):
-    __slots__ = ("queue_seconds", "encode_seconds", "transfer_seconds", "prefill_seconds", "decode_seconds", "total_seconds")
+    __slots__ = ("queue_seconds", "encode_seconds", "transfer_seconds", "prefill_seconds", "decode_seconds", "total_seconds", "preprocess_seconds")
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ENCODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DECODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREPROCESS_SECONDS_FIELD_NUMBER: _ClassVar[int]
     queue_seconds: float
     encode_seconds: float
     transfer_seconds: float
     prefill_seconds: float
     decode_seconds: float
     total_seconds: float
-    def __init__(self, queue_seconds: _Optional[float] = ..., encode_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ...) -> None: ...
+    preprocess_seconds: float
+    def __init__(self, queue_seconds: _Optional[float] = ..., encode_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., preprocess_seconds: _Optional[float] = ...) -> None: ...
 
 class ListEncodersRequest(_message.Message):
     __slots__ = ()

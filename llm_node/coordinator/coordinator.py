@@ -254,7 +254,8 @@ class Coordinator:
         return EncodeResult(
             images=[r for r in results if r is not None],
             cached=cached,
-            queue_seconds=timing.wait + timing.queue,
+            queue_seconds=timing.wait + timing.queue - timing.preprocess,
+            preprocess_seconds=timing.preprocess,
             encode_seconds=timing.encode,
             transfer_seconds=timing.transfer,
             wall_seconds=wall,

@@ -315,7 +315,7 @@ class Dispatcher:
                         continue  # another attempt (a hedge) delivered it first
                     progress.fulfilled.add(pos)
                     self.cache.fulfil(entry)
-                    timing.queue = max(timing.queue, emb.queue_seconds)
+                    timing.observe_queue(emb.queue_seconds, emb.preprocess_seconds)
                     if span.is_recording():
                         record_span(self.tracing.tracer, span, "encdis.coordinator.image", span.start_time,
                                     time.time_ns(), **{"encdis.image_index": job.index, "encdis.cache": "miss",

@@ -34,10 +34,17 @@ class RequestTiming:
     """Where one request's encode time went, each part measured on its own."""
 
     wait: float = 0.0  # for a SERVING encoder, in the coordinator
-    queue: float = 0.0  # longest time an image sat in an encoder's queue
+    queue: float = 0.0  # longest time from an encoder accepting an image to its batch's start
+    preprocess: float = 0.0  # of that image's queue, its decoding and preprocessing
     encode: float = 0.0  # longest forward among the request's batches
     transfer: float = 0.0  # longest receive of one embedding (header to last byte, as a tensor)
     retries: int = 0
+
+    def observe_queue(self, queue: float, preprocess: float) -> None:
+        """An image's queue as its encoder reports it; the longest one counts. The encoder is not
+        trusted: its preprocessing is taken as at most its queue, and at least 0 (NaN too)."""
+        if queue > self.queue:
+            self.queue, self.preprocess = queue, min(max(0.0, preprocess), queue)
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,8 @@ class EncodeResult:
     """A request's embeddings in image order, and where its encode time went.
 
     queue_seconds: waiting for a usable encoder and in the encoders' queues;
+    preprocess_seconds: the encoders' decoding and preprocessing of the image waited for
+    longest (reported apart from queue_seconds);
     encode_seconds: the longest tower forward among the request's batches;
     transfer_seconds: from the first header of an embedding to its last byte as a tensor,
     the longest over the request's calls (the wire and the receiver's work);
@@ -55,6 +64,7 @@ class EncodeResult:
     images: list[ImageEmbedding]
     cached: list[bool]  # per image: True when no encode was done for it in this request
     queue_seconds: float = 0.0
+    preprocess_seconds: float = 0.0
     encode_seconds: float = 0.0
     transfer_seconds: float = 0.0
     wall_seconds: float = 0.0

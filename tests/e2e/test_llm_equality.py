@@ -17,6 +17,7 @@ import pytest
 from encdis.client import GenerateClient, InvalidArgument
 from encdis.client.errors import IMAGE_INVALID
 from tests.e2e.conftest import concurrent_token_ids
+from tests.integration.test_coordinator import png
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
@@ -47,10 +48,11 @@ def test_three_images_of_different_sizes_equal_monolithic(monolithic, llm_node, 
     assert monolithic["three_images"] != monolithic["three_images_reordered"]
 
 
-def test_last_message_reports_usage_and_time_split(llm_node, equality_cases):
-    case = equality_cases["three_images"]
+def test_last_message_reports_usage_and_time_split(llm_node):
+    # Images no other test sends, so none is a cache hit: each is decoded and preprocessed.
+    images = [png(336, 168, seed=101), png(84, 112, seed=102), png(448, 336, seed=103)]
     with GenerateClient(llm_node.address, timeout=300) as client:
-        chunks = list(client.generate_stream(case.prompt, case.images, max_tokens=4, ignore_eos=True))
+        chunks = list(client.generate_stream("Describe these pictures.", images, max_tokens=4, ignore_eos=True))
     last = chunks[-1]
     assert last.finished and all(not c.finished for c in chunks[:-1])
     assert last.usage.images == 3 and last.usage.completion_tokens == 4
@@ -59,7 +61,8 @@ def test_last_message_reports_usage_and_time_split(llm_node, equality_cases):
     assert last.usage.prompt_tokens > last.usage.image_tokens
     t = last.timing
     assert t.total > 0 and t.prefill > 0
-    assert t.queue + t.encode + t.transfer + t.prefill + t.decode <= t.total + 1e-3
+    assert t.preprocess > 0  # the encoders decoded and preprocessed three images
+    assert t.queue + t.preprocess + t.encode + t.transfer + t.prefill + t.decode <= t.total + 1e-3
 
 
 async def test_eight_concurrent_requests_equal_monolithic(monolithic, llm_node, equality_cases):
@@ -109,7 +112,7 @@ def test_metrics_report_requests_and_their_time_split(llm_node, equality_cases):
     samples = {line.split(" ")[0]: float(line.split(" ")[-1]) for line in text.splitlines()
                if line and not line.startswith("#")}
     assert samples['encdis_requests_total{code="OK"}'] >= 1
-    for part in ("queue", "encode", "transfer", "prefill", "decode", "total"):
+    for part in ("queue", "preprocess", "encode", "transfer", "prefill", "decode", "total"):
         assert samples[f"encdis_request_{part}_seconds_count"] >= 1, part
     assert samples["encdis_completion_tokens_total"] >= equality_cases["one_image"].max_tokens
     assert any(name.startswith("encdis_coordinator_assignments_total") for name in samples)

@@ -173,10 +173,10 @@ async def test_images_spread_over_both_encoders_and_equal_a_direct_call(pair, ti
 
 async def test_time_split_parts_match_what_the_encoder_did(tiny_ckpt) -> None:
     """Each part of the split against an independent measure: a fake encoder that reports a
-    known queue and batch time and stalls a known time between an embedding's header and its
+    known queue (with its preprocessing) and batch time and stalls a known time between an embedding's header and its
     bytes (so the transfer part is long and the others are not)."""
     fake = await FakeEncoder(tiny_ckpt).start()
-    fake.queue_seconds, fake.batch_seconds, fake.stall_after_header = 0.25, 0.125, 0.5
+    fake.queue_seconds, fake.preprocess_seconds, fake.batch_seconds, fake.stall_after_header = 0.25, 0.1, 0.125, 0.5
     try:
         async with coordinator(tiny_ckpt, [fake.address]) as coord:
             await wait_for(lambda: len(coord.pool.serving()) == 1, what="the fake encoder serving")
@@ -187,8 +187,9 @@ async def test_time_split_parts_match_what_the_encoder_did(tiny_ckpt) -> None:
         await fake.stop()
     assert fake.calls == 1
     assert result.encode_seconds == 0.125  # the batch time the encoder reported
-    assert result.queue_seconds >= 0.25  # the encoder's queue, plus any wait for an encoder
-    assert result.queue_seconds < 0.25 + 0.2
+    # The encoder's queue less its preprocessing, plus any wait for an encoder.
+    assert result.preprocess_seconds == 0.1
+    assert 0.15 <= result.queue_seconds < 0.15 + 0.2
     # Two images, each stalled 0.5 s after its header: each receive takes >= 0.5 s, not 1 s.
     assert 0.5 <= result.transfer_seconds < 0.5 + 0.3
     assert wall >= 1.0 and abs(result.wall_seconds - wall) < 0.05

@@ -72,6 +72,10 @@ async def test_encode_spans_join_the_callers_trace(traced_node, receiver) -> Non
     assert names == sorted(["encdis.encoder.preprocess", *steps, *steps])
     forwards = [s for s in children if s.name == "encdis.encoder.forward"]
     assert sorted(s.attributes["encdis.image_index"] for s in forwards) == [0, 1]
+    # An image's queue is its wait in the batcher, after its preprocessing (0.2 ms: the span's
+    # start is measured on the monotonic clock, the preprocess span's end on the wall clock).
+    queues = [s for s in children if s.name == "encdis.encoder.queue"]
+    assert all(s.start_ns >= preprocess.end_ns - 200_000 for s in queues), (preprocess, queues)
     assert all(s.attributes["encdis.batch_images"] >= 1 and s.attributes["encdis.batch_patches"] > 0 for s in forwards)
 
 

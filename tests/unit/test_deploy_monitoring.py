@@ -93,7 +93,7 @@ def test_every_expression_reads_exported_metrics_or_recorded_rules() -> None:
 def test_the_dashboard_uses_every_recording_rule_and_shows_what_an_operator_needs() -> None:
     used = set().union(*(names_in(e) for e in dashboard_exprs().values()))
     assert set(recording_rules()) - used == set(), "recording rules no panel shows"
-    for needed in ("encdis_request_queue_seconds", "encdis_request_encode_seconds",
+    for needed in ("encdis_request_queue_seconds", "encdis_request_preprocess_seconds", "encdis_request_encode_seconds",
                    "encdis_request_transfer_seconds", "encdis_request_prefill_seconds",
                    "encdis_request_decode_seconds", "encdis:encoder_patches:rate1m",
                    "encdis:encoder_queued_patches:avg1m", "encdis_coordinator_encoders",

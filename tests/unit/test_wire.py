@@ -45,11 +45,12 @@ def _messages(index=0, rows=5, cols=8, datatype="FP32", max_chunk_bytes=64, seed
 
 @pytest.mark.parametrize("datatype", ["FP32", "FP16", "BF16"])
 def test_round_trip_keeps_values_shape_and_metadata(datatype):
-    msgs, expected = _messages(datatype=datatype, batch=BatchInfo(0.25, (40, 12)), queue_seconds=0.5)
+    msgs, expected = _messages(datatype=datatype, batch=BatchInfo(0.25, (40, 12)), queue_seconds=0.5,
+                               preprocess_seconds=0.125)
     (emb,) = decode_stream(msgs, 1)
     assert emb.shape == (5, 8) and emb.datatype == datatype and emb.digest == "d0"
     assert emb.grid_thw == (1, 2, 10)
-    assert emb.batch == BatchInfo(0.25, (40, 12)) and emb.queue_seconds == 0.5
+    assert emb.batch == BatchInfo(0.25, (40, 12)) and emb.queue_seconds == 0.5 and emb.preprocess_seconds == 0.125
     np.testing.assert_array_equal(emb.array(), expected)
 
 
@@ -160,7 +161,8 @@ def test_content_digest_depends_on_bytes_bounds_weights_and_datatype():
 def _frames_and_messages(index=0, rows=300, cols=8, max_chunk_bytes=64):
     data = np.arange(rows * cols, dtype="<f4").tobytes()
     kw = dict(image_index=index, grid_thw=(1, 2, 2 * rows), datatype="FP32", shape=(rows, cols), data=data,
-              digest="d", max_chunk_bytes=max_chunk_bytes, batch=BatchInfo(0.5, (4 * rows,)), queue_seconds=0.25)
+              digest="d", max_chunk_bytes=max_chunk_bytes, batch=BatchInfo(0.5, (4 * rows,)), queue_seconds=0.25,
+              preprocess_seconds=0.0625)
     return list(embedding_frames(**kw)), list(embedding_messages(**kw)), data
 
 
@@ -179,6 +181,7 @@ def test_frames_decode_in_place_to_the_same_embedding_as_messages():
     (from_messages,) = decode_stream(msgs, 1)
     assert bytes(from_frames.data) == bytes(from_messages.data) == data
     assert from_frames.batch == from_messages.batch and from_frames.queue_seconds == 0.25
+    assert from_frames.preprocess_seconds == from_messages.preprocess_seconds == 0.0625
     assert isinstance(from_frames.data, memoryview) and not from_frames.data.readonly
 
 
