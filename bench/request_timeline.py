@@ -14,29 +14,32 @@ Measured: shared 2-core x86 VM, torch CPU, gRPC door, 224x224 PNG, 4 tokens, not
 cores (`python bench/request_timeline.py --requests 16`), the node's default (--handoff region):
 
     service       span                                            start     end   (ms, medians of 16)
-    encdis-llm    encdis.generate                                  0.00   28.45
-    encdis-llm    encdis.coordinator.encode                        0.85   13.97
-    encdis-llm    encdis.coordinator.image                         1.15   13.59
-    encdis-llm    encdis.coordinator.encode_call                   1.15   13.84
-    encdis-encod  encdis.encoder.Encode                            2.36   27.98
-    encdis-encod  encdis.encoder.queue                             2.70    5.33
-    encdis-encod  encdis.encoder.preprocess                        2.76    5.02
-    encdis-encod  encdis.encoder.decode                            2.84    3.48
-    encdis-encod  encdis.encoder.send                              5.16   27.79
-    encdis-encod  encdis.encoder.forward                           5.33   12.08
-    unknown_serv  llm_request                                     14.52   27.86
+    encdis-llm    encdis.generate                                  0.00   31.82
+    encdis-llm    encdis.coordinator.encode                        0.86   14.84
+    encdis-llm    encdis.coordinator.image                         1.20   14.40
+    encdis-llm    encdis.coordinator.encode_call                   1.20   14.66
+    encdis-encod  encdis.encoder.Encode                            2.49   16.22
+    encdis-encod  encdis.encoder.preprocess                        2.91    5.28
+    encdis-encod  encdis.encoder.decode                            3.01    3.70
+    encdis-encod  encdis.encoder.send                              5.43   16.04
+    encdis-encod  encdis.encoder.queue                             5.54    5.58
+    encdis-encod  encdis.encoder.forward                           5.58   12.90
+    unknown_serv  llm_request                                     15.53   30.88
 
-Beyond the encoder's preprocessing (2.3 ms, work `vllm serve` does too) and forward: 0.85 ms
-before the coordinator starts (prompt rendering and checks in a worker thread, the hop to the
-coordinator's thread), 1.2 ms from the call's start to the encoder's handler, 1.5 ms from the
-forward's result to the embedding in hand (the encoder's loop, its frames, the wire, the checks),
-0.4 ms to the coordinator's answer and 0.55 ms from there to vLLM's request starting: 4.5 ms in
-all. Before the coordinator stopped waiting for each call's end (its trailers, which came 0.9 ms
-after the last image and are now read in the background, client/encoder_client.py) and the
-region's handoff stopped taking a thread hop for links alone, the same command gave 0.86, 1.36,
-1.63, 0.90 and 0.63 ms: 5.4 ms. The encoder's own spans now end after vLLM's request: its last
-frame's send completes once the core it shares with vLLM's prefill is free, which no request
-waits for.
+The encoder's queue span is the image's wait in the batcher (0.04 ms here); its decoding (0.7
+ms) and the image processor's resize and normalisation are the preprocess span (2.4 ms in all,
+work `vllm serve` does too), which the node's time split reports as preprocess, apart from
+queue. Beyond those and the forward: 0.86 ms before the coordinator starts (prompt rendering and
+checks in a worker thread, the hop to the coordinator's thread), 1.3 ms from the call's start to
+the encoder's handler, 1.5 ms from the forward's result to the embedding in hand (the encoder's
+loop, its frames, the wire, the checks), 0.44 ms to the coordinator's answer and 0.69 ms from
+there to vLLM's request starting: 4.8 ms in all. An earlier run of the same command, before the
+coordinator stopped waiting for each call's end (its trailers, which came 0.9 ms after the last
+image and are now read in the background, client/encoder_client.py) and the region's handoff
+stopped taking a thread hop for links alone, gave 0.86, 1.36, 1.63, 0.90 and 0.63 ms: 5.4 ms;
+just after that change 4.5 ms (run-to-run spread on this machine is about 0.3 ms). The encoder's
+Encode and send spans end after vLLM's request starts: its last frame's send completes once the
+core it shares with vLLM's prefill is free, which no request waits for.
 """
 
 from __future__ import annotations

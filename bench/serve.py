@@ -101,6 +101,27 @@ E = core 1, client on core 1, 64 text tokens + one 224x224 image (64 tokens), 16
     8  vllm      vllm 69.4 (90% busy)
     8  encdis    llm 49.7 (66% busy), encoders 21.6 (26% busy)    71.3 (1.03x)
 
+With preprocessing reported apart from queueing (the same machine on another day, so the
+absolute times differ; `python bench/serve.py --concurrency 1,8 --num-prompts 16 --repeats 2`):
+
+    c  system            req/s   mean TTFT ms  median TTFT ms    p99 TTFT ms  mean TPOT ms
+    1  vllm              17.01           20.5            20.2           26.7           2.6
+    1  encdis    15.39 (0.90x)   31.9 (1.56x)    31.6 (1.56x)   40.2 (1.51x)   2.2 (0.85x)
+    1  encdis+1  15.56 (0.91x)   25.7 (1.26x)    24.5 (1.21x)   38.2 (1.43x)   2.6 (0.99x)
+    8  vllm              40.31          119.4           125.4          140.9           5.4
+    8  encdis    32.72 (0.81x)  147.1 (1.23x)   144.1 (1.15x)  202.7 (1.44x)   6.3 (1.17x)
+    8  encdis+1  44.65 (1.11x)   85.7 (0.72x)    75.8 (0.60x)  130.2 (0.92x)   5.8 (1.09x)
+
+    c  system    queue  preprocess  encode  transfer  prefill  decode  other  total  node_ttft  front
+    1  encdis      0.0         4.1    12.0       0.4      9.0    33.3    4.0   62.8       29.5    2.4
+    1  encdis+1    0.0         2.1     6.3       0.3     10.1    38.8    4.0   61.6       22.9    2.9
+    8  encdis     11.2        14.3    32.2       0.5     53.7    93.8   23.4  229.1      135.2   11.9
+    8  encdis+1    7.3        10.7    16.3       0.3     28.7    87.4   15.2  166.0       78.5    7.2
+
+At c=1 an image waits for nothing (queue 0.0): what the earlier tables call queue there was the
+encoder decoding and preprocessing the image. Beyond preprocess, encode and prefill, a request
+at c=1 spends transfer + other + front = 6.8 ms (encdis) and 7.2 ms (encdis+1).
+
 What limits (b) on one core: the same image's tower forward takes 29 ms on core 0 beside
 the LLM node and 13 ms on a core of its own. vLLM's worker busy-polls its shared-memory
 queue (sched_yield, for 1 s after every step), so any other process on its core gets only
