@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 
 import grpc
 import pytest
 from google.protobuf import duration_pb2
+from PIL import Image
 from xds.data.orca.v3 import orca_load_report_pb2
 from xds.service.orca.v3 import orca_pb2
 
@@ -47,8 +49,24 @@ def report_stream(channel: grpc.aio.Channel, interval: float):
         report_interval=duration_pb2.Duration(seconds=whole, nanos=int((interval - whole) * 1e9))))
 
 
+# A's requests in flight at once, 3 images of 1024 patches each: 36 images, more than two of
+# the encoder's forwards (--max-batch-patches 16384 holds 16 of these), so when a batch ends
+# another batch of A's is queued behind the next one, even while A is slow to send again. With
+# all of A's work in one batch (3 requests), A's requests ended together and the encoder
+# reported an empty queue until A sent again, which B rightly believed.
+BUSY_STREAMS = 12
+
+
 def big_images(seed: int, n: int) -> list[bytes]:
-    return [png(448, 448, seed=seed + i) for i in range(n)]
+    """n distinct 448x448 PNGs (1024 patches each), one solid colour per seed: made in about 2 ms
+    each, so this test's loop keeps the encoder fed (random pixels took 20 ms an image, slower
+    than the encoder's forward, so its queue ran dry between A's requests)."""
+    out = []
+    for s in range(seed, seed + n):
+        buf = io.BytesIO()
+        Image.new("RGB", (448, 448), (s & 255, s >> 8 & 255, s >> 16 & 255)).save(buf, "PNG")
+        out.append(buf.getvalue())
+    return out
 
 
 async def test_an_encoder_reports_at_once_when_its_queue_grows_by_more_than_one_image(two, tiny_ckpt) -> None:
@@ -89,7 +107,7 @@ async def images_to(busy_node: NodeProcess, idle_node: NodeProcess, tiny_ckpt, l
         before = {e: metric(b.registry, "encdis_coordinator_assignments_total", encoder=e)
                   for e in (busy_node.address, idle_node.address)}
         stop = asyncio.Event()
-        streams = [asyncio.ensure_future(keep_busy(a, stop, seed + 1000 * (s + 1))) for s in range(3)]
+        streams = [asyncio.ensure_future(keep_busy(a, stop, seed + 1000 * (s + 1))) for s in range(BUSY_STREAMS)]
         try:
             await wait_for(lambda: a.pool.backlog_patches(a.pool.encoders()[0]) > 0, what="A's work in flight")
             if load_reports == "on":
