@@ -59,8 +59,8 @@ BUSY_STREAMS = 12
 
 def big_images(seed: int, n: int) -> list[bytes]:
     """n distinct 448x448 PNGs (1024 patches each), one solid colour per seed: made in about 2 ms
-    each, so this test's loop keeps the encoder fed (random pixels took 20 ms an image, slower
-    than the encoder's forward, so its queue ran dry between A's requests)."""
+    each, so this test's loop keeps the encoder fed (random pixels took 20 ms an image here, about
+    what the encoder's forward of one takes, and its queue ran dry between A's requests)."""
     out = []
     for s in range(seed, seed + n):
         buf = io.BytesIO()
