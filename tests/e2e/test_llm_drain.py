@@ -23,7 +23,6 @@ event:
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import re
 import threading
@@ -38,8 +37,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from encdis.client import AsyncGenerateClient, EncdisError, GenerateResult, Unavailable
 from encdis.launcher import NodeProcess, start_node
 from tests.e2e.test_llm_engine_death import engine_processes, running
+from tests.e2e.test_openai_front import image_part
 from tests.fake_encoder import FakeEncoderThread
-from tests.integration.test_coordinator import png
+from tests.integration.test_coordinator import png, wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
@@ -78,8 +78,7 @@ class HttpStream:
         self.finish_reason: str | None = None
 
     async def run(self, client: httpx.AsyncClient) -> None:
-        url = "data:image/png;base64," + base64.b64encode(self.image).decode()
-        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": PROMPT}]
+        content = [image_part(self.image, "image/png"), {"type": "text", "text": PROMPT}]
         body = {"model": self.model, "messages": [{"role": "user", "content": content}], "stream": True,
                 "max_tokens": self.max_tokens, "ignore_eos": True, "temperature": 0}
         async with client.stream("POST", f"{self.base}/v1/chat/completions", json=body) as r:
@@ -100,12 +99,11 @@ async def image_stream(client: AsyncGenerateClient, image: bytes, max_tokens: in
     return out
 
 
-async def wait_until(condition, streams: dict[str, asyncio.Future]) -> None:
-    """Polls a condition on the fake encoder, failing at once if a request ends meanwhile."""
-    while not condition():
-        for name, task in streams.items():
-            assert not task.done(), f"{name} ended early: {task.exception() or task.result()}"
-        await asyncio.sleep(0.05)
+async def wait_until(condition, streams: dict[str, asyncio.Future], what: str) -> None:
+    """wait_for `condition`, failing at once if a request ends meanwhile."""
+    await wait_for(lambda: condition() or any(t.done() for t in streams.values()), timeout=300, what=what)
+    ended = {name: t.exception() or t.result() for name, t in streams.items() if t.done()}
+    assert not ended, f"ended early: {ended}"
 
 
 async def drain_while_streaming(node: NodeProcess, fake) -> dict:
@@ -115,7 +113,7 @@ async def drain_while_streaming(node: NodeProcess, fake) -> dict:
             httpx.AsyncClient(timeout=600) as http, grpc.aio.insecure_channel(node.address) as channel:
         fake.stall_after_header = HOUR
         endless = asyncio.ensure_future(image_stream(client, png(112, 112, seed=1), 8))
-        await wait_until(lambda: fake.calls >= 1, {"the stalled request": endless})
+        await wait_until(lambda: fake.calls >= 1, {"the stalled request": endless}, "the stalled call at the encoder")
         # Later calls are held, not stalled; the first call keeps its hour.
         fake.stall_after_header, fake.hold = 0.0, (release := threading.Event())
         model = (await http.get(f"{base}/v1/models")).json()["data"][0]["id"]
@@ -123,7 +121,7 @@ async def drain_while_streaming(node: NodeProcess, fake) -> dict:
         streams = {"grpc request 1": asyncio.ensure_future(image_stream(client, png(112, 112, seed=2), SHORT_TOKENS)),
                    "grpc request 2": asyncio.ensure_future(image_stream(client, png(112, 112, seed=3), SHORT_TOKENS)),
                    "http request": asyncio.ensure_future(web.run(http)), "the stalled request": endless}
-        await wait_until(lambda: fake.images_held >= 3, streams)
+        await wait_until(lambda: fake.images_held >= 3, streams, "three images held at the encoder")
 
         watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
         assert (await watch.read()).status == SERVING
