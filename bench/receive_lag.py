@@ -15,7 +15,13 @@ expectation, records.embedding_tensor) takes them:
   thread+1ms  the same with the GIL switch interval the LLM node sets (coordinator_thread.
           SWITCH_INTERVAL_SECONDS; Python's default is 5 ms).
   region  thread+1ms receiving into the node's shared region (llm_node/embedding_region.py: the
-          coordinator's receive buffers on the default --handoff region), as the node does now.
+          coordinator's receive buffers on the default --handoff region), each buffer made when
+          its first bytes arrive, as when an encoder answers at once (a hit in its cache).
+  ahead   the same with the buffers made before the bytes come (client/receive_buffer.py
+          PreparedBuffers, as the node's dispatcher makes them while the encoders work; these
+          senders send at once, so the bench makes them first);
+  making  the making of those buffers, measured alone (the lag it causes while the encoders
+          work; MB/s: bytes made per second).
 
 Either way a 1 ms sleeper on the main loop records how late it wakes (bench/transport.py's
 probe): that lateness is what every token stream on the node waits. The variants alternate
@@ -66,7 +72,32 @@ region's pages) still shares the cores with the sleeper. The same day, side by s
 Receiving into the region costs its tmpfs pages being allocated and mapped during the receive
 (~100 ms of kernel time per 173 MB here, where the heap recycles freed pages): the same work the
 heap route does later, when a request's rows are written into the region on their way to the
-engine (llm_node/handoff.py).
+engine (llm_node/handoff.py). The node's dispatcher now makes each buffer while the encoder
+works (its size is known from the image's grid), so that work is done before the bytes come:
+the "ahead" rows, the same day (`--rounds 5 --sender-nice 19`, then `--rounds 5`):
+
+    senders niced 19 (idle: p50 0.08, p99 0.17, max 4.61 ms)
+    receiver on        p50 ms   p99 ms   max ms     MB/s
+    thread+1ms            0.4      4.1      9.8     1656
+    region                0.3      4.4     10.4     1176
+    ahead                 0.4      4.0      6.8     1800
+    making                0.1      2.6      4.9     3293
+    ahead/region         1.38     0.72     0.63     1.48
+
+    senders at the receiver's priority (idle: p50 0.08, p99 0.16, max 5.59 ms)
+    thread+1ms            0.6      7.5     13.4     1499
+    region                0.7     13.7     27.2     1219
+    ahead                 0.8     10.1     30.7     1986
+    making                0.1      0.8      3.8     3509
+    ahead/region         0.96     0.64     1.25     1.64
+
+Made ahead, the region route moves 1.5-1.6x the bytes per second of making each buffer at its
+first bytes, as fast as the heap (thread+1ms) or faster, and the main loop's p99 lag is lower;
+making the eight buffers (1.4 GB in two worker threads, about 0.4 s) costs the main loop a p99
+of 0.8-2.6 ms meanwhile. A buffer made ahead has one byte per page written (the page faults
+then, in the worker thread); mapping it with MAP_POPULATE instead was tried and dropped: that
+holds the process's memory map while it fills a whole buffer, and every thread that allocates
+waits (region p99 22.7-69 ms, max 244-330 ms, with MAP_POPULATE at the first bytes).
 """
 
 from __future__ import annotations
@@ -77,6 +108,7 @@ import json
 import statistics
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -84,6 +116,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from transport import HIDDEN, SIZES, encdis_receive, idle_lag, loop_lag, rows_for  # noqa: E402
 
 from encdis.client.encoder_client import RECEIVE_CHUNK_BYTES  # noqa: E402
+from encdis.client.receive_buffer import PreparedBuffers  # noqa: E402
 from encdis.llm_node.coordinator_thread import SWITCH_INTERVAL_SECONDS as SWITCH_INTERVAL  # noqa: E402
 from encdis.llm_node.coordinator_thread import LoopThread  # noqa: E402
 from encdis.llm_node.embedding_region import EmbeddingRegion  # noqa: E402
@@ -117,6 +150,14 @@ async def receive_all(handles: list, rows: int, hidden: int, keep: list, allocat
     await asyncio.gather(*(encdis_receive(h, rows, hidden, RECEIVE_CHUNK_BYTES, keep, allocate) for h in handles))
 
 
+async def make_ahead(region: EmbeddingRegion, count: int, nbytes: int, into: list) -> None:
+    """`count` region buffers of `nbytes` made as the dispatcher makes them (two worker threads), into `into`."""
+    with ThreadPoolExecutor(2, thread_name_prefix="bench-buffers") as executor:
+        buffers = PreparedBuffers(region.buffer, [nbytes] * count, executor)
+        await asyncio.to_thread(buffers.wait)
+    into.append(buffers)
+
+
 async def with_switch_interval(seconds: float, work) -> None:
     """`work` with the interpreter's GIL switch interval at `seconds` (the LLM node's setting)."""
     before = sys.getswitchinterval()
@@ -144,15 +185,23 @@ async def measure(args: argparse.Namespace) -> dict:
                 SWITCH_INTERVAL, other.run(receive_all, on_thread, rows, hidden, keep)),
             "region": lambda keep: with_switch_interval(
                 SWITCH_INTERVAL, other.run(receive_all, on_thread, rows, hidden, keep, region.buffer)),
+            "ahead": lambda keep: with_switch_interval(
+                SWITCH_INTERVAL, other.run(receive_all, on_thread, rows, hidden, keep, keep.pop())),
         }
-        for run in variants.values():  # warm both sets of channels (windows, buffers)
-            await run([])
+        making = lambda keep: make_ahead(region, args.senders, rows * hidden * 2, keep)  # noqa: E731
+        for name, run in variants.items():  # warm both sets of channels (windows, buffers)
+            keep: list = []
+            if name == "ahead":
+                await making(keep)
+            await run(keep)
         idle = await idle_lag()
-        results: dict[str, list[dict]] = {name: [] for name in variants}
+        results: dict[str, list[dict]] = {name: [] for name in [*variants, "making"]}
         names = list(variants)
         for r in range(args.rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
-                keep: list = []
+                keep = []  # the variant's tensors; "ahead" takes its buffers from it first
+                if name == "ahead":
+                    results["making"].append(await loop_lag([making(keep)], nbytes))
                 results[name].append(await loop_lag([variants[name](keep)], nbytes))
                 keep.clear()
         await other.run(close_handles, on_thread)
@@ -177,9 +226,10 @@ def summary(result: dict) -> list[dict]:
         rows.append({"variant": name, **{f"lag_{q}_ms": statistics.median(r["lag_ms"][q] for r in runs)
                                           for q in ("p50", "p99", "max")},
                      "mb_per_s": statistics.median(r["mb_per_s"] for r in runs)})
-    for variant in ("thread", "thread+1ms", "region"):
-        pairs = list(zip(result["runs"]["main"], result["runs"][variant], strict=True))
-        rows.append({"variant": f"{variant}/main", **{
+    for variant, base in (("thread", "main"), ("thread+1ms", "main"), ("region", "main"), ("ahead", "main"),
+                          ("ahead", "region")):
+        pairs = list(zip(result["runs"][base], result["runs"][variant], strict=True))
+        rows.append({"variant": f"{variant}/{base}", **{
             f"lag_{q}_ms": statistics.median(t["lag_ms"][q] / max(m["lag_ms"][q], 1e-6) for m, t in pairs)
             for q in ("p50", "p99", "max")},
             "mb_per_s": statistics.median(t["mb_per_s"] / m["mb_per_s"] for m, t in pairs)})
@@ -194,7 +244,7 @@ def print_table(result: dict, rows: list[dict]) -> None:
     header = f"{'receiver on':16} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'MB/s':>8}"
     print(header, "-" * len(header), sep="\n")
     for r in rows:
-        ratio = r["variant"].endswith("/main")
+        ratio = "/" in r["variant"]
         fmt = "{:>8.2f}" if ratio else "{:>8.1f}"
         print(f"{r['variant']:16} " + " ".join(fmt.format(r[k]) for k in ("lag_p50_ms", "lag_p99_ms", "lag_max_ms"))
               + (f" {r['mb_per_s']:>8.2f}" if ratio else f" {r['mb_per_s']:>8.0f}"))

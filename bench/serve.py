@@ -25,8 +25,10 @@ encdis_request_*_seconds, differenced around each run): queue/preprocess/encode/
 (coordinator and encoders; preprocess is the encoder's decoding and preprocessing, which
 tables measured before it was reported apart count in queue), prefill/decode (vLLM), other
 (rendering, waits), and front = the client's TTFT minus the node's own (HTTP, JSON, base64,
-SSE); and the servers' CPU time per request by role (read from /proc around the measured
-requests only), with how busy each role kept its cores.
+SSE); for (a) the same from vLLM's own histograms (vllm:request_queue_time_seconds, _prefill_,
+_decode_, e2e latency, time to first token): its tower's forward is inside its prefill, its
+image preprocessing inside its other; and the servers' CPU time per request by role (read from
+/proc around the measured requests only), with how busy each role kept its cores.
 
     python bench/serve.py [--model DIR] [--cpus 0] [--extra-cpus 1] [--concurrency 1,8]
                           [--num-prompts 16] [--input-len 64] [--output-len 16] [--image-size 224]
@@ -162,6 +164,7 @@ from serve_systems import (  # noqa: E402
     stage_sums,
     start_encdis,
     start_vllm,
+    vllm_stage_sums,
 )
 from vllm_bench import MAIN_RUN_ENDS, MAIN_RUN_STARTS, run_vllm_bench  # noqa: E402
 
@@ -174,7 +177,9 @@ RESULT_KEYS = ("completed", "failed", "duration", "request_throughput", "output_
 def run_once(system: System, everyone: Sequence[System], args: argparse.Namespace, c: int, seed: int,
              client_cpus: list[int], out_dir: Path) -> dict:
     """One `vllm bench serve` run: vLLM's numbers, the node's time split, CPU time per request."""
-    before = stage_sums(system.llm) if system.llm else None
+    # The node's split for encdis, vLLM's own histograms for monolithic vLLM.
+    sums = (lambda: stage_sums(system.llm)) if system.llm else (lambda: vllm_stage_sums(system.base_url))
+    before = sums()
     marks: dict[str, tuple[float, dict[str, dict[str, float]]]] = {}
 
     def on_output(line: str) -> None:
@@ -202,8 +207,7 @@ def run_once(system: System, everyone: Sequence[System], args: argparse.Namespac
     # What the idle systems waiting their turn took meanwhile (they share the cores), per second.
     row["idle_others_cpu_per_s"] = sum(cpu1[o.name][role] - cpu0[o.name][role] for o in everyone
                                        if o is not system for role in o.groups) / (t1 - t0)
-    if system.llm and before is not None:
-        row["split_ms"] = stage_means_ms(before, stage_sums(system.llm), r["mean_ttft_ms"])
+    row["split_ms"] = stage_means_ms(before, sums(), r["mean_ttft_ms"])
     print(f"  {system.name} c={c} seed={seed}: {r['request_throughput']:.2f} req/s, mean TTFT "
           f"{r['mean_ttft_ms']:.1f} ms, {r['completed']} done, {r['failed']} failed", flush=True)
     return row
@@ -355,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     goal_rows = goals(systems, args.concurrency, extra_name)
     print(goals_text(goal_rows))
     print()
-    print("LLM node, mean ms per request (front = client TTFT - node TTFT):")
+    print("time split, mean ms per request (front = client TTFT - the server's own; vllm: its own histograms, "
+          "its tower's forward inside prefill, its image preprocessing inside other):")
     print(split_text(systems, args.concurrency))
     print()
     print("server CPU ms per request (all processes of each role, user + system; busy = share of its cores):")

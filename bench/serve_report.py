@@ -94,7 +94,7 @@ def split_text(systems: dict[str, dict], concurrency: list[int]) -> str:
         for name, s in systems.items():
             sp = s["by_concurrency"][c].get("split_ms")
             if sp:
-                rows.append([str(c), name, *(f"{sp[p]:.1f}" for p in parts)])
+                rows.append([str(c), name, *(f"{sp[p]:.1f}" if sp[p] == sp[p] else "-" for p in parts)])
     return _columns(rows)
 
 

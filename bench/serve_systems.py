@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -31,6 +32,14 @@ VLLM_SERVE_ARGS = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), 
                    "--seed", "0", "--enforce-eager", "--limit-mm-per-prompt", '{"image": 16, "video": 0}']
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 STAGES = ("queue", "preprocess", "encode", "transfer", "prefill", "decode", "total")
+# Monolithic vLLM's own histograms for the same split (its /metrics), under the node's names: queue
+# (waiting to be scheduled), prefill (scheduled to first token, its tower's forward included), decode,
+# total and time to first token (both from its arrival, once its front has parsed the request).
+VLLM_STAGES = {"encdis_request_queue_seconds": "vllm:request_queue_time_seconds",
+               "encdis_request_prefill_seconds": "vllm:request_prefill_time_seconds",
+               "encdis_request_decode_seconds": "vllm:request_decode_time_seconds",
+               "encdis_request_total_seconds": "vllm:e2e_request_latency_seconds",
+               "encdis_request_time_to_first_token_seconds": "vllm:time_to_first_token_seconds"}
 
 
 def parse_cpus(text: str) -> list[int]:
@@ -187,16 +196,33 @@ def stage_sums(llm: NodeProcess) -> dict[str, float]:
     return {f"{n}_{k}": llm.metric(f"{n}_{k}") for n in names for k in ("sum", "count")}
 
 
+def vllm_stage_sums(base_url: str) -> dict[str, float]:
+    """VLLM_STAGES' sums and counts from a `vllm serve`'s /metrics, named as stage_sums names the node's."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out = {}
+    for ours, name in VLLM_STAGES.items():
+        for k in ("sum", "count"):
+            m = re.search(rf"^{re.escape(name)}_{k}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+            if m is None:
+                raise RuntimeError(f"{name}_{k} is not among {base_url}/metrics")
+            out[f"{ours}_{k}"] = float(m.group(1))
+    return out
+
+
 def stage_means_ms(before: dict[str, float], after: dict[str, float], client_ttft_ms: float) -> dict[str, float]:
-    """Mean ms per request of each stage between two scrapes, with what the stages leave out."""
+    """Mean ms per request of each stage between two scrapes, with what the stages leave out
+    (NaN: a stage the system does not time apart, as vLLM's encode is inside its prefill)."""
 
     def mean(name: str) -> float:
+        if f"{name}_count" not in after:
+            return float("nan")
         n = after[f"{name}_count"] - before[f"{name}_count"]
         return 1000 * (after[f"{name}_sum"] - before[f"{name}_sum"]) / n if n else float("nan")
 
     out = {s: mean(f"encdis_request_{s}_seconds") for s in STAGES}
     # Rendering, validation and waits between the parts the node times.
-    out["other"] = out["total"] - sum(out[s] for s in STAGES if s != "total")
+    out["other"] = out["total"] - sum(out[s] for s in STAGES if s != "total" and out[s] == out[s])
     out["node_ttft"] = mean("encdis_request_time_to_first_token_seconds")
     out["front"] = client_ttft_ms - out["node_ttft"]
     return out

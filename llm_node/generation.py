@@ -138,7 +138,7 @@ class GenerationService:
         # Cheap checks before expensive work, off the event loop (megabytes of prompt or image
         # headers take milliseconds each): the image grids from the headers, the prompt's
         # length with them against the context, then the bytes the embeddings will take.
-        grids, prompt, sampling = await asyncio.to_thread(self._prepare, images, req.messages, req.sampling)
+        grids, digests, prompt, sampling = await asyncio.to_thread(self._prepare, images, req.messages, req.sampling)
         image_tokens = [self.coordinator.grid_tokens(g) for g in grids]
         slot.reserve(sum(image_tokens) * self.coordinator.hidden_size * MAX_ITEMSIZE)
         self.metrics.images.inc(len(images))
@@ -147,7 +147,7 @@ class GenerationService:
         cached = 0
         if images:
             with trace.use_span(span):
-                result = await self.coordinator.encode(images, deadline=req.deadline, grids=grids)
+                result = await self.coordinator.encode(images, deadline=req.deadline, grids=grids, digests=digests)
             embedded = result.images
             cached = sum(result.cached)
             queue_s, preprocess_s = result.queue_seconds, result.preprocess_seconds
@@ -159,16 +159,18 @@ class GenerationService:
             yield step
 
     def _prepare(self, images: list[bytes], messages: list[dict[str, Any]],
-                 sampling: SamplingSpec) -> tuple[list[tuple[int, int, int]], str, SamplingSpec]:
-        """The images' grids, the prompt, and `sampling` fitted to the context (see _fit_to_context).
-        Blocking: run it in a worker thread."""
+                 sampling: SamplingSpec) -> tuple[list[tuple[int, int, int]], list[str], str, SamplingSpec]:
+        """The images' grids, the prompt, and `sampling` fitted to the context (see _fit_to_context),
+        then the images' digests (the coordinator's cache keys: hashed here, off every loop, once the
+        request has passed its checks). Blocking: run it in a worker thread."""
         grids = self.coordinator.image_grids(images) if images else []
         # Each image's one placeholder token expands to its embedding's rows.
         expansion = sum(self.coordinator.grid_tokens(g) for g in grids) - len(grids)
         prompt = self.renderer.render_messages(messages)
         # A lower bound from the prompt's bytes first: a prompt far too long is never tokenised.
         self._fit_to_context(self.renderer.min_tokens(prompt) + expansion, sampling, at_least=True)
-        return grids, prompt, self._fit_to_context(self.renderer.count_tokens(prompt) + expansion, sampling)
+        sampling = self._fit_to_context(self.renderer.count_tokens(prompt) + expansion, sampling)
+        return grids, self.coordinator.digests(images) if images else [], prompt, sampling
 
     def _fit_to_context(self, prompt_len: int, sampling: SamplingSpec, *, at_least: bool = False) -> SamplingSpec:
         """`sampling` with max_tokens set (default: what the context leaves, as `vllm serve` does);

@@ -5,7 +5,8 @@ It imports no vLLM and nothing of the engine host; the LLM node's front doors ca
 Modules, one role each:
     coordinator      Coordinator: the flow of one request (probe, digest, cache, dispatch)
     settings         CoordinatorSettings: its knobs (the LLM node's flags of the same names)
-    dispatch         Encode streams to encoders, per-attempt bounds, retries
+    dispatch         Encode streams to encoders, per-attempt bounds, receive buffers made while encoders work
+    retries          a request's retries across rounds: counts, giving up, back-off, its deadline
     expectation      what an encoder must send back for an image, and the check
     pool             EncoderPool: membership (static and DNS targets), work in flight, penalties
     penalty          back-offs of quarantined (bad data) and slow (late) encoders

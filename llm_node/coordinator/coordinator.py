@@ -147,6 +147,8 @@ class Coordinator:
             await self.pool.stop()
         if self.colocated is not None:
             await self.colocated.close()
+        if self._dispatcher is not None:
+            self._dispatcher.close()
 
     def _forget_encoder(self, address: str) -> None:
         self.metrics.forget_encoder(address)
@@ -184,15 +186,17 @@ class Coordinator:
     # -- one request -----------------------------------------------------------------
 
     async def encode(self, images: Sequence[bytes], *, deadline: float | None = None,
-                     grids: Sequence[tuple[int, int, int]] | None = None) -> EncodeResult:
+                     grids: Sequence[tuple[int, int, int]] | None = None,
+                     digests: Sequence[str] | None = None) -> EncodeResult:
         """Embeddings of `images`, in order. Raises InvalidArgument (names the image), Unavailable,
         or DeadlineExceeded once `deadline` (time.monotonic() seconds; None: none) has passed.
-        `grids`: what image_grids(images) already gave, so no image is probed twice.
+        `grids`, `digests`: what image_grids(images) and digests(images) already gave (a caller
+        that probes the images off the loop hashes them there too), so no image is probed twice.
         One span per request (a child of the caller's current span), one per image."""
         tracer = self.tracing.tracer
         attributes = {"encdis.images": len(images)}
         with tracer.start_as_current_span("encdis.coordinator.encode", attributes=attributes) as span:
-            result = await self._encode(images, deadline, grids)
+            result = await self._encode(images, deadline, grids, digests)
             span.set_attributes({"encdis.cached_images": sum(result.cached), "encdis.retries": result.retries})
             if span.is_recording():
                 for i, hit in enumerate(result.cached):
@@ -202,7 +206,7 @@ class Coordinator:
             return result
 
     async def _encode(self, images: Sequence[bytes], deadline: float | None,
-                      grids: Sequence[tuple[int, int, int]] | None) -> EncodeResult:
+                      grids: Sequence[tuple[int, int, int]] | None, digests: Sequence[str] | None) -> EncodeResult:
         if self._dispatcher is None:
             raise Unavailable("the coordinator is not started")
         t0 = time.perf_counter()
@@ -210,11 +214,14 @@ class Coordinator:
             grids = self.image_grids(images)
         elif len(grids) != len(images):
             raise ValueError(f"{len(grids)} grids for {len(images)} images")
-        # Hashing megabytes takes milliseconds: off the event loop beyond a small total.
-        if sum(len(img) for img in images) > OFFLOAD_BYTES:
-            digests = await asyncio.to_thread(self.digests, images)
-        else:
-            digests = self.digests(images)
+        if digests is None:
+            # Hashing megabytes takes milliseconds: off the event loop beyond a small total.
+            if sum(len(img) for img in images) > OFFLOAD_BYTES:
+                digests = await asyncio.to_thread(self.digests, images)
+            else:
+                digests = self.digests(images)
+        elif len(digests) != len(images):
+            raise ValueError(f"{len(digests)} digests for {len(images)} images")
         timing = RequestTiming()
         results: list[ImageEmbedding | None] = [None] * len(images)
         cached = [True] * len(images)

@@ -7,7 +7,9 @@ and runs one Encode stream per chosen encoder concurrently. Each embedding, as i
 checked against what the coordinator knows before any encoder answers (the image's grid from its
 header, rows = t*h*w / merge_size**2, the LLM's hidden size, the pool's datatype, our own digest),
 turned into a tensor over the received bytes (torch.frombuffer, never pickle) and handed to the
-cache; each batch timing goes to that encoder's cost model.
+cache; each batch timing goes to that encoder's cost model. Received into the node's shared
+region, an image's buffer (its size known from its grid) is made while its encoder works
+(PreparedBuffers), not after its first bytes arrive.
 
 Encoders are not trusted. One that sends anything else (or breaks the wire contract) is
 quarantined (pool.penalise) and its images go elsewhere. Each attempt is bounded by the
@@ -19,7 +21,7 @@ fails with DEADLINE_EXCEEDED. RESOURCE_EXHAUSTED makes the encoder look busier f
 failures (UNAVAILABLE, reset, broken stream) mark it unhealthy until its health watch re-checks
 it. Each image is re-sent at most `max_retries` times; rounds in which every encoder failed the
 request are spaced by an exponential back-off with jitter. INVALID_ARGUMENT is not retried and
-names the image in the request's numbering.
+names the image in the request's numbering (retries.py keeps the counts).
 """
 
 from __future__ import annotations
@@ -28,13 +30,13 @@ import asyncio
 import contextlib
 import functools
 import logging
-import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 
 from opentelemetry.trace import Span
 
+from encdis.client.embedding import itemsize
 from encdis.client.errors import (
     DeadlineExceeded,
     EncdisError,
@@ -44,6 +46,7 @@ from encdis.client.errors import (
     Unavailable,
     WireError,
 )
+from encdis.client.receive_buffer import PreparedBuffers
 from encdis.client.wire import Allocate, Embedding, ExpectedEmbedding
 from encdis.tracing import Tracing, record_span, trace_metadata
 
@@ -57,16 +60,10 @@ from .hedging import CallProgress, Hedger
 from .metrics import CoordinatorMetrics
 from .pool import EncoderPool
 from .records import ImageEmbedding, RequestTiming, embedding_tensor
+from .retries import CallFailure, Retries, check_deadline
 from .settings import CoordinatorSettings
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _CallFailure:
-    handle: EncoderHandle
-    error: EncdisError
-    jobs: list[PendingImage] = field(default_factory=list)
 
 
 class Dispatcher:
@@ -82,9 +79,11 @@ class Dispatcher:
         self.hidden_size = hidden_size
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
         self.receive_buffers: Allocate | None = None  # where embeddings are received (None: the heap)
+        # Makes a call's receive buffers while its encoder works (PreparedBuffers); threads start on first use.
+        self._preparing = ThreadPoolExecutor(2, thread_name_prefix="encdis-buffers")
         # Rotating the candidates per round spreads ties on predicted finish (assign picks the first).
         self._rotation = 0
-        self._random = random.Random()
+        self.retries = Retries(settings, pool, metrics)
         self.tracing = Tracing()  # off until the node sets its own (encdis/tracing.py)
         self.hedger = Hedger(settings, pool, metrics)
         self.affinity = Affinity(settings)  # digests to the encoders that hold them (affinity.py)
@@ -103,7 +102,7 @@ class Dispatcher:
         failed_rounds = 0
         asked: set[tuple[str, str]] = set()  # (encoder, digest) asked whether it holds it (affinity.py)
         while remaining:
-            _check_deadline(deadline, remaining, failures)
+            check_deadline(deadline, remaining, failures)
             routable = await self._routable(timing, failures, deadline)
             candidates = [h for h in routable if h.address not in excluded] or routable
             self._rotation += 1
@@ -124,21 +123,15 @@ class Dispatcher:
                     self.pool.release(h)
             for failure in outcomes:
                 if failure is not None:
-                    self._count_failure(failure, remaining, attempts, excluded, failures, timing)
+                    self.retries.count_failure(failure, remaining, attempts, excluded, failures, timing)
             if remaining and all(h.address in excluded for h in self.pool.serving()):
                 # Every encoder failed it once: back off, not in a tight loop nor with the requests failing beside it.
                 failed_rounds += 1
-                pause = self._pause(failed_rounds)
+                pause = self.retries.pause(failed_rounds)
                 if deadline is not None:
                     pause = max(0.0, min(pause, deadline - time.monotonic()))
                 await asyncio.sleep(pause)
                 timing.wait += pause
-
-    def _pause(self, failed_rounds: int) -> float:
-        """Exponential back-off with jitter: half of base * 2**(rounds-1) (capped) fixed, half random."""
-        s = self.settings
-        cap = min(s.retry_backoff_max_seconds, s.retry_backoff_seconds * 2 ** (failed_rounds - 1))
-        return cap * (0.5 + 0.5 * self._random.random())
 
     def attempt_timeout(self, h: EncoderHandle, jobs: Sequence[PendingImage],
                         deadline: float | None) -> tuple[float, float, bool]:
@@ -175,30 +168,6 @@ class Dispatcher:
                 calls.append((h, group[start:start + limit]))
         return calls
 
-    def _count_failure(self, failure: _CallFailure, remaining: dict[int, PendingImage], attempts: dict[int, int],
-                       excluded: set[str], failures: list[str], timing: RequestTiming) -> None:
-        """Book a failed call's images for another round, or raise once one ran out of retries."""
-        h, err = failure.handle, failure.error
-        excluded.add(h.address)
-        left = [j for j in failure.jobs if j.index in remaining]
-        failures.append(err.code.name)  # what callers see: no address, no encoder's message
-        log.warning("encoder %s failed %d image(s) of a request: %s", h.address, len(left), err)
-        for job in left:
-            attempts[job.index] += 1
-            if attempts[job.index] > self.settings.max_retries:
-                # Busy encoders are a different answer from broken ones: clients back off.
-                cls = ResourceExhausted if isinstance(err, ResourceExhausted) else Unavailable
-                what = "encoders are busy" if cls is ResourceExhausted else "no encoder can serve this request"
-                log.warning("image %d failed %d times; encoders: %s", job.index, attempts[job.index],
-                            self.pool.summary())
-                raise cls(
-                    f"{what}: image {job.index} failed {attempts[job.index]} times "
-                    f"(max_retries {self.settings.max_retries}); last errors: {', '.join(failures[-3:])}; "
-                    f"{self.pool.state_counts()}"
-                )
-        timing.retries += len(left)
-        self.metrics.retries.inc(len(left))
-
     async def _routable(self, timing: RequestTiming, failures: list[str],
                         deadline: float | None) -> list[EncoderHandle]:
         """The SERVING encoders (else the slow ones), waiting (bounded) for ones still connecting."""
@@ -229,7 +198,7 @@ class Dispatcher:
 
     async def _attempt(self, h: EncoderHandle, images: Sequence[bytes], jobs: list[PendingImage],
                        remaining: dict[int, PendingImage], timing: RequestTiming, deadline: float | None,
-                       excluded: set[str]) -> _CallFailure | None:
+                       excluded: set[str]) -> CallFailure | None:
         """One call to `h`, hedged when it straggles (hedging.Hedger); None once every image is in."""
         def call(target: EncoderHandle, group: list[PendingImage], progress: CallProgress, first_attempt: bool):
             return self._call(target, images, group, remaining, timing, deadline, progress,
@@ -239,13 +208,13 @@ class Dispatcher:
             return await call(h, jobs, CallProgress(), True)
         failure, missing = await self.hedger.run(h, jobs, remaining, excluded, call)
         if missing and failure is None:
-            return _CallFailure(h, Unavailable("no attempt delivered every image"), jobs)
+            return CallFailure(h, Unavailable("no attempt delivered every image"), jobs)
         return failure if missing else None
 
     async def _call(self, h: EncoderHandle, images: Sequence[bytes], jobs: list[PendingImage],
                     remaining: dict[int, PendingImage], timing: RequestTiming,
                     deadline: float | None, progress: CallProgress | None = None,
-                    *, first_attempt: bool = True) -> _CallFailure | None:
+                    *, first_attempt: bool = True) -> CallFailure | None:
         """One Encode stream to `h` in its own span (the encoder's spans are its children)."""
         with self.tracing.tracer.start_as_current_span("encdis.coordinator.encode_call", attributes={
                 "encdis.encoder": h.address, "encdis.images": len(jobs),
@@ -261,8 +230,8 @@ class Dispatcher:
 
     async def _stream(self, h: EncoderHandle, images: Sequence[bytes], jobs: list[PendingImage],
                       remaining: dict[int, PendingImage], timing: RequestTiming, deadline: float | None,
-                      span: Span, progress: CallProgress, *, first_attempt: bool) -> _CallFailure | None:
-        """One Encode stream to `h`; None on success, a _CallFailure when others should retry.
+                      span: Span, progress: CallProgress, *, first_attempt: bool) -> CallFailure | None:
+        """One Encode stream to `h`; None on success, a CallFailure when others should retry.
 
         Images another attempt delivered meanwhile (no longer in `remaining`) are checked and
         dropped."""
@@ -285,6 +254,7 @@ class Dispatcher:
             if first_attempt:
                 self.hedger.budget.sent(j.patches, progress.sent_at)
         done = progress.delivered
+        buffers = self._buffers(jobs, datatype)
         try:
             stream = h.client.encode_iter(
                 [bytes(images[j.index]) for j in jobs], min_pixels=self.min_pixels, max_pixels=self.max_pixels,
@@ -294,7 +264,7 @@ class Dispatcher:
                 on_embedding_bytes=self.metrics.embedding_bytes_received.inc,
                 colocated=self.colocated.receiver(h) if self.colocated is not None else None,
                 metadata=trace_metadata(),  # this call's span, as W3C trace context
-                allocate=self.receive_buffers,
+                allocate=buffers or self.receive_buffers,
                 on_tail_error=functools.partial(self._tail_failed, h),
             )
             async with contextlib.aclosing(stream):  # cancel the RPC at once if we stop reading
@@ -330,10 +300,10 @@ class Dispatcher:
             raise request_numbering(e, jobs) from None
         except ColocatedFailure as e:
             # The pair failed, not the encoder (the pair is closed): the images go again, over gRPC.
-            return _CallFailure(h, e, jobs)
+            return CallFailure(h, e, jobs)
         except (FailedPrecondition, WireError) as e:
             self._quarantine(h, e)
-            return _CallFailure(h, e, jobs)
+            return CallFailure(h, e, jobs)
         except DeadlineExceeded:
             left = [j.index for pos, j in enumerate(jobs) if pos not in done]
             if by_caller:
@@ -343,25 +313,38 @@ class Dispatcher:
             why = (f"an Encode of {len(jobs)} image(s) ran past its {timeout:.3g}s bound "
                    f"(predicted {predicted:.3g}s with its backlog)")
             self.pool.penalise(h, EncoderState.SLOW, why)
-            return _CallFailure(h, Unavailable(f"{why}; image(s) {left} sent elsewhere"), jobs)
+            return CallFailure(h, Unavailable(f"{why}; image(s) {left} sent elsewhere"), jobs)
         except ResourceExhausted as e:
             self.metrics.encoder_faults.labels(h.address, "busy").inc()
             self.pool.report_busy(h)  # busy, not broken: send it less for a while, try elsewhere
-            return _CallFailure(h, e, jobs)
+            return CallFailure(h, e, jobs)
         except EncdisError as e:
             if e.code.name != "INTERNAL":
                 self.pool.report_failure(h, f"Encode failed: {e}")
-            return _CallFailure(h, e, jobs)
+            return CallFailure(h, e, jobs)
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as e:  # e.g. the channel closed under us: retry elsewhere
             log.exception("Encode call to %s failed unexpectedly", h.address)
             self.pool.report_failure(h, f"Encode failed: {e!r}")
-            return _CallFailure(h, Unavailable(repr(e)), jobs)
+            return CallFailure(h, Unavailable(repr(e)), jobs)
         finally:
+            if buffers is not None:
+                buffers.close()
             for pos, ticket in enumerate(tickets):
                 if pos not in done:
                     self.pool.complete_work(ticket)
+
+    def close(self) -> None:
+        """Buffers not started are not made; the threads end once idle."""
+        self._preparing.shutdown(wait=False, cancel_futures=True)
+
+    def _buffers(self, jobs: list[PendingImage], datatype: str | None) -> PreparedBuffers | None:
+        """The call's receive buffers, made from now on (the region's; the heap's cost nothing to make)."""
+        if self.receive_buffers is None or not datatype:
+            return None
+        sizes = [j.rows * self.hidden_size * itemsize(datatype) for j in jobs]
+        return PreparedBuffers(self.receive_buffers, sizes, self._preparing)
 
     def _quarantine(self, h: EncoderHandle, e: EncdisError) -> None:
         """It sent something other than what was asked (or claims a model mismatch mid-call)."""
@@ -382,8 +365,11 @@ class Dispatcher:
         return ImageEmbedding(embeds=embedding_tensor(emb), grid_thw=emb.grid_thw, digest=job.digest)
 
 
-async def _run_all(calls: list) -> list[_CallFailure | None]:
-    """Run the calls concurrently; on a fatal error (e.g. a bad image) cancel the rest and raise."""
+async def _run_all(calls: list) -> list[CallFailure | None]:
+    """Run the calls concurrently; on a fatal error (e.g. a bad image) cancel the rest and raise.
+    A lone call is awaited in place: a task of its own would cost a turn of the loop to start and one to end."""
+    if len(calls) == 1:
+        return [await calls[0]]
     tasks = [asyncio.ensure_future(c) for c in calls]
     try:
         return list(await asyncio.gather(*tasks))
@@ -392,9 +378,3 @@ async def _run_all(calls: list) -> list[_CallFailure | None]:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
-
-
-def _check_deadline(deadline: float | None, remaining: dict[int, PendingImage], failures: list[str]) -> None:
-    if deadline is not None and time.monotonic() >= deadline:
-        tail = f"; after failures: {', '.join(failures[-3:])}" if failures else ""
-        raise DeadlineExceeded(f"the request's deadline passed with image(s) {sorted(remaining)} not encoded{tail}")

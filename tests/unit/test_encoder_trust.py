@@ -75,7 +75,7 @@ def dispatcher(**settings) -> Dispatcher:
 def test_retry_rounds_back_off_exponentially_with_jitter() -> None:
     d = dispatcher(retry_backoff_seconds=0.1, retry_backoff_max_seconds=1.0)
     for rounds, cap in ((1, 0.1), (2, 0.2), (3, 0.4), (4, 0.8), (5, 1.0), (9, 1.0)):
-        pauses = [d._pause(rounds) for _ in range(200)]
+        pauses = [d.retries.pause(rounds) for _ in range(200)]
         assert all(cap / 2 <= p <= cap for p in pauses), (rounds, min(pauses), max(pauses))
         assert max(pauses) - min(pauses) > cap / 10  # jittered: requests that failed together spread out
 
