@@ -219,14 +219,26 @@ BAD = {
     "corrupt_image": ({"messages": [user({"type": "image_url", "image_url": {
         "url": "data:image/png;base64," + base64.b64encode(b"\x89PNG not really").decode()}}, "hi")]},
         400, "image 0: "),
+    "prompt_too_long": ({"messages": [user("word " * 20000)]}, 400, "the context length is"),
 }
+# Refused by the node's checks before encoding (GenerationService.prepare, run in the door's parsing
+# thread): counted among the node's requests, as refusals from generate itself.
+COUNTED = {"corrupt_image", "prompt_too_long"}
+
+
+def invalid_requests(node: NodeProcess) -> float:
+    try:
+        return node.metric('encdis_requests_total{code="INVALID_ARGUMENT"}')
+    except AssertionError:  # none yet: the sample is not exported
+        return 0.0
 
 
 @pytest.mark.parametrize("name", list(BAD))
-def test_bad_requests_get_the_openai_error_object_and_the_node_keeps_serving(name: str, http_base,
-                                                                             model_name) -> None:
+def test_bad_requests_get_the_openai_error_object_and_the_node_keeps_serving(name: str, http_base, model_name,
+                                                                             llm_node) -> None:
     payload, status, message = BAD[name]
     url = f"{http_base}/v1/chat/completions"
+    counted = invalid_requests(llm_node)
     if isinstance(payload, bytes):
         r = httpx.post(url, content=payload, headers={"content-type": "application/json"}, timeout=60)
     else:
@@ -234,6 +246,7 @@ def test_bad_requests_get_the_openai_error_object_and_the_node_keeps_serving(nam
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert message in err["message"] and err["code"] == status and err["type"]
+    assert invalid_requests(llm_node) == counted + (name in COUNTED)
     ok = ours(http_base, cases()["text_only"], model_name)
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]
 
