@@ -35,19 +35,6 @@ MAX_ITEMSIZE = 4
 
 
 @dataclass(frozen=True)
-class Prepared:
-    """A request's checks before any image is encoded (GenerationService.prepare): what they
-    gave, or the error they raised (raised by generate, which counts it as its own)."""
-
-    started_at: float  # time.monotonic() when they began: the request's time runs from there
-    grids: list[tuple[int, int, int]] = field(default_factory=list)
-    digests: list[str] = field(default_factory=list)
-    prompt: str = ""
-    sampling: SamplingSpec | None = None
-    error: Exception | None = None
-
-
-@dataclass(frozen=True)
 class GenerationRequest:
     messages: list[dict[str, Any]]  # chat turns; each image part is {"type": "image"}, in image order
     images: Sequence[bytes]
@@ -57,9 +44,6 @@ class GenerationRequest:
     # The admission slot the front door took before reading the request (None: generate takes one).
     slot: Slot | None = None
     trace_context: Mapping[str, str] = field(default_factory=dict)  # the caller's traceparent/tracestate
-    # prepare(request) already run by the front door in the worker thread it parsed the request in
-    # (None: generate runs it, in a thread of its own).
-    prepared: Prepared | None = None
 
 
 @dataclass(frozen=True)
@@ -148,15 +132,13 @@ class GenerationService:
                 span.end()
 
     async def _generate(self, req: GenerationRequest, slot: Slot, span: Span) -> AsyncIterator[Step]:
-        # Cheap checks before expensive work, off the event loop (megabytes of prompt or image
-        # headers take milliseconds each), then the bytes the embeddings will take.
-        prepared = req.prepared or await asyncio.to_thread(self.prepare, req)
-        if prepared.error is not None:
-            raise prepared.error
-        t_start, grids, digests, prompt = prepared.started_at, prepared.grids, prepared.digests, prepared.prompt
-        sampling = prepared.sampling
-        assert sampling is not None
+        t_start = time.monotonic()
         images = list(req.images)
+        validate_images(images, self.settings)
+        # Cheap checks before expensive work, off the event loop (megabytes of prompt or image
+        # headers take milliseconds each): the image grids from the headers, the prompt's
+        # length with them against the context, then the bytes the embeddings will take.
+        grids, digests, prompt, sampling = await asyncio.to_thread(self._prepare, images, req.messages, req.sampling)
         image_tokens = [self.coordinator.grid_tokens(g) for g in grids]
         slot.reserve(sum(image_tokens) * self.coordinator.hidden_size * MAX_ITEMSIZE)
         self.metrics.images.inc(len(images))
@@ -176,33 +158,19 @@ class GenerationService:
                                            t_start, (queue_s, preprocess_s, encode_s, transfer_s), trace_headers):
             yield step
 
-    def prepare(self, req: GenerationRequest) -> Prepared:
-        """The request's checks before any image is encoded: its images' sizes, their grids from
-        their headers, the prompt's length with them against the context (`sampling` fitted to
-        it, see _fit_to_context); then the images' digests (the coordinator's cache keys, hashed
-        here off every loop once the checks pass). An error is kept in the result, for generate
-        to raise. Blocking: run it in a worker thread (a front door that parses the request in
-        one may run it there and pass it as GenerationRequest.prepared)."""
-        started_at = time.monotonic()
-        try:
-            images = list(req.images)
-            validate_images(images, self.settings)
-            grids, prompt, sampling = self._check(images, req.messages, req.sampling)
-            digests = self.coordinator.digests(images) if images else []
-        except Exception as e:  # raised by generate, as if it had run this itself
-            return Prepared(started_at, error=e)
-        return Prepared(started_at, grids, digests, prompt, sampling)
-
-    def _check(self, images: list[bytes], messages: list[dict[str, Any]],
-               sampling: SamplingSpec) -> tuple[list[tuple[int, int, int]], str, SamplingSpec]:
-        """The images' grids, the prompt, and `sampling` fitted to the context."""
+    def _prepare(self, images: list[bytes], messages: list[dict[str, Any]],
+                 sampling: SamplingSpec) -> tuple[list[tuple[int, int, int]], list[str], str, SamplingSpec]:
+        """The images' grids, the prompt, and `sampling` fitted to the context (see _fit_to_context),
+        then the images' digests (the coordinator's cache keys: hashed here, off every loop, once the
+        request has passed its checks). Blocking: run it in a worker thread."""
         grids = self.coordinator.image_grids(images) if images else []
         # Each image's one placeholder token expands to its embedding's rows.
         expansion = sum(self.coordinator.grid_tokens(g) for g in grids) - len(grids)
         prompt = self.renderer.render_messages(messages)
         # A lower bound from the prompt's bytes first: a prompt far too long is never tokenised.
         self._fit_to_context(self.renderer.min_tokens(prompt) + expansion, sampling, at_least=True)
-        return grids, prompt, self._fit_to_context(self.renderer.count_tokens(prompt) + expansion, sampling)
+        sampling = self._fit_to_context(self.renderer.count_tokens(prompt) + expansion, sampling)
+        return grids, self.coordinator.digests(images) if images else [], prompt, sampling
 
     def _fit_to_context(self, prompt_len: int, sampling: SamplingSpec, *, at_least: bool = False) -> SamplingSpec:
         """`sampling` with max_tokens set (default: what the context leaves, as `vllm serve` does);

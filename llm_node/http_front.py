@@ -38,7 +38,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from encdis.client.errors import EncdisError, InvalidArgument, ResourceExhausted, Unavailable
 from encdis.llm_node.engine import SamplingSpec
 from encdis.llm_node.generation import GenerationRequest, GenerationService, Step
-from encdis.llm_node.media import MediaLoader, decode_data_uri
+from encdis.llm_node.media import MediaLoader
 from encdis.llm_node.settings import LLMSettings
 from encdis.tracing import TRACE_KEYS
 
@@ -114,30 +114,13 @@ class ChatFront:
         return bytes(body)
 
     async def parse(self, raw: bytes, slot: Any = None) -> tuple[Any, GenerationRequest]:
-        """The request and its GenerationRequest (holding `slot`, the admission slot taken for it).
+        """The request and its GenerationRequest (holding `slot`, the admission slot taken for it)."""
+        req, messages, urls = await asyncio.to_thread(self._parse_sync, raw)
+        images = await self.media.load_all(urls)
+        return req, self._generation_request(req, messages, images, slot)
 
-        One trip to a worker thread does the blocking part: the JSON, vLLM's request model and,
-        when every image came inline (data: URIs, as OpenAI clients send them), their base64 and
-        the service's checks before encoding (GenerationService.prepare), which generate would
-        otherwise run in a thread trip of its own. Images behind URLs are fetched on the loop."""
-        req, messages, urls, gen = await asyncio.to_thread(self._parse_sync, raw, slot)
-        if gen is None:
-            gen = self._generation_request(req, messages, await self.media.load_all(urls), slot)
-        return req, gen
-
-    def _parse_sync(self, raw: bytes,
-                    slot: Any) -> tuple[Any, list[dict[str, Any]], list[str], GenerationRequest | None]:
-        """The request, its messages, its image URLs and, when every image is a data: URI, its
-        GenerationRequest with its checks run. Blocking (megabytes)."""
-        req, messages, urls = self._parse_request(raw)
-        if not all(url[:5].lower() == "data:" for url in urls):
-            return req, messages, urls, None
-        images = [decode_data_uri(i, url, self.media.max_bytes) for i, url in enumerate(urls)]
-        gen = self._generation_request(req, messages, images, slot)
-        return req, messages, urls, dataclasses.replace(gen, prepared=self.service.prepare(gen))
-
-    def _parse_request(self, raw: bytes) -> tuple[Any, list[dict[str, Any]], list[str]]:
-        """JSON -> vLLM's ChatCompletionRequest -> messages and image URLs."""
+    def _parse_sync(self, raw: bytes) -> tuple[Any, list[dict[str, Any]], list[str]]:
+        """JSON -> vLLM's ChatCompletionRequest -> messages and image URLs. Blocking (megabytes)."""
         from pydantic import ValidationError
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
@@ -254,26 +237,23 @@ class ChatFront:
             )
             return f"data: {body.model_dump_json(exclude_none=True)}\n\n"
 
-        # The role's event goes out in one write with the first text (a write less before the first token).
-        head = chunk(DeltaMessage(role="assistant", content=""))
+        yield chunk(DeltaMessage(role="assistant", content=""))
         step: Step | None = first
         try:
             while step is not None:
                 if step.text or step.finished:
-                    yield head + chunk(DeltaMessage(content=step.text),
-                                       finish_reason=(step.finish_reason or "stop") if step.finished else None)
-                    head = ""
+                    yield chunk(DeltaMessage(content=step.text),
+                                finish_reason=(step.finish_reason or "stop") if step.finished else None)
                 if step.finished:
                     if include_usage:
                         yield chunk(DeltaMessage(), usage=_usage(step), choices=False)
                     break
                 step = await anext(steps, None)
         except Exception as e:  # after the status line: report in the stream, as vLLM does
-            event, head = head + f"data: {json.dumps(error_body(_error_for(e)))}\n\n", ""
-            yield event
+            yield f"data: {json.dumps(error_body(_error_for(e)))}\n\n"
         finally:
             await steps.aclose()  # a client that went away cancels its generation now
-        yield head + "data: [DONE]\n\n"  # the role's event, if no text or error carried it
+        yield "data: [DONE]\n\n"
 
 
 def _usage(step: Step) -> Any:

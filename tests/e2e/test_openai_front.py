@@ -221,8 +221,8 @@ BAD = {
         400, "image 0: "),
     "prompt_too_long": ({"messages": [user("word " * 20000)]}, 400, "the context length is"),
 }
-# Refused by the node's checks before encoding (GenerationService.prepare, run in the door's parsing
-# thread): counted among the node's requests, as refusals from generate itself.
+# Refused by the node's checks before encoding (the generation's own): counted among the node's
+# requests; the others are refused by the door before a generation starts.
 COUNTED = {"corrupt_image", "prompt_too_long"}
 
 
