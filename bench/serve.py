@@ -124,6 +124,32 @@ At c=1 an image waits for nothing (queue 0.0): what the earlier tables call queu
 encoder decoding and preprocessing the image. Beyond preprocess, encode and prefill, a request
 at c=1 spends transfer + other + front = 6.8 ms (encdis) and 7.2 ms (encdis+1).
 
+With monolithic vLLM's own split beside them (its histograms; a busier day on the same machine,
+so every time is longer: `python bench/serve.py --concurrency 1,8 --num-prompts 16 --repeats 2`):
+
+    c  system            req/s   mean TTFT ms  median TTFT ms    p99 TTFT ms  mean TPOT ms
+    1  vllm               9.77           27.9            27.4           35.4           4.9
+    1  encdis     6.34 (0.65x)   55.3 (1.98x)    57.1 (2.09x)   66.0 (1.86x)   7.0 (1.42x)
+    1  encdis+1   9.33 (0.95x)   34.7 (1.24x)    34.0 (1.24x)   43.2 (1.22x)   4.9 (0.99x)
+    8  vllm              31.03          176.6           176.7          223.4           8.6
+    8  encdis    24.38 (0.79x)  187.7 (1.06x)   182.4 (1.03x)  263.3 (1.18x)  11.1 (1.29x)
+    8  encdis+1  38.75 (1.25x)  106.0 (0.60x)   108.4 (0.61x)  135.9 (0.61x)   6.7 (0.77x)
+
+    c  system    queue  preprocess  encode  transfer  prefill  decode  other  total  node_ttft  front
+    1  vllm        0.0           -       -         -     14.6    74.6    9.4   98.6       24.3    3.6
+    1  encdis      0.1         6.8    20.7       0.3     16.2   105.8    6.7  156.6       50.8    4.5
+    1  encdis+1    0.1         3.0     8.4       0.2     14.1    74.2    4.9  104.8       30.6    4.1
+    8  vllm        0.0           -       -         -     69.4   131.2   93.0  293.6      163.9   12.7
+    8  encdis     10.9        23.4    37.2       0.1     66.9   167.6   31.8  337.9      170.3   17.4
+    8  encdis+1    8.6        10.9    19.5       0.1     33.5    99.9   23.5  196.0       96.1    9.9
+
+`vllm serve` itself spends other + front = 13.0 ms of a c=1 request outside its engine's queue
+and prefill (its tower's forward included there); its other holds its image preprocessing, the
+work the encoder reports as preprocess (3.0 ms on a core of its own, 6.8 ms beside vLLM), so 6 to
+10 ms of it is overhead of the same kind as encdis's transfer + other + front (9.2 ms for
+encdis+1, 11.5 ms for encdis that day). On this machine the monolithic server is above 5 ms
+outside its own work as well.
+
 What limits (b) on one core: the same image's tower forward takes 29 ms on core 0 beside
 the LLM node and 13 ms on a core of its own. vLLM's worker busy-polls its shared-memory
 queue (sched_yield, for 1 s after every step), so any other process on its core gets only
