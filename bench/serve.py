@@ -66,18 +66,6 @@ Measured on a 2-core VM shared with other jobs (so runs of one system differ by 
 at c=8; trust medians and the CPU table more than one run), tiny checkpoint, S = core 0,
 E = core 1, client on core 1, 64 text tokens + one 224x224 image (64 tokens), 16 out:
 
-`python bench/serve.py --model /tmp/vb/tiny` (16 prompts, 1 round)
-
-    c  system            req/s   mean TTFT ms  median TTFT ms    p99 TTFT ms  mean TPOT ms
-    1  vllm               6.36           39.9            39.2           54.0           7.8
-    1  encdis     6.01 (0.94x)   58.0 (1.45x)    58.2 (1.48x)   73.6 (1.36x)   7.2 (0.92x)
-    1  encdis+1   6.23 (0.98x)   45.2 (1.13x)    43.5 (1.11x)   75.2 (1.39x)   7.7 (0.98x)
-    8  vllm              17.10          277.4           285.9          355.9          12.1
-    8  encdis    13.76 (0.80x)  353.7 (1.28x)   368.2 (1.29x)  408.0 (1.15x)  14.9 (1.23x)
-    8  encdis+1  20.89 (1.22x)  201.1 (0.72x)   197.2 (0.69x)  307.2 (0.86x)  11.4 (0.94x)
-    goals: c=1 (b) req/s 0.94x PASS, TTFT 1.45x MISS, +18.1 ms MISS, (c) req/s 0.98x MISS;
-           c=8 (b) req/s 0.80x MISS, TTFT 1.28x MISS, (c) req/s 1.22x PASS
-
 `python bench/serve.py --model /tmp/vb/tiny --num-prompts 32 --repeats 3` (medians of 3)
 
     c  system            req/s   mean TTFT ms  median TTFT ms    p99 TTFT ms  mean TPOT ms
@@ -125,15 +113,9 @@ encoder decoding and preprocessing the image. Beyond preprocess, encode and pref
 at c=1 spends transfer + other + front = 6.8 ms (encdis) and 7.2 ms (encdis+1).
 
 With monolithic vLLM's own split beside them (its histograms; a busier day on the same machine,
-so every time is longer: `python bench/serve.py --concurrency 1,8 --num-prompts 16 --repeats 2`):
-
-    c  system            req/s   mean TTFT ms  median TTFT ms    p99 TTFT ms  mean TPOT ms
-    1  vllm               9.77           27.9            27.4           35.4           4.9
-    1  encdis     6.34 (0.65x)   55.3 (1.98x)    57.1 (2.09x)   66.0 (1.86x)   7.0 (1.42x)
-    1  encdis+1   9.33 (0.95x)   34.7 (1.24x)    34.0 (1.24x)   43.2 (1.22x)   4.9 (0.99x)
-    8  vllm              31.03          176.6           176.7          223.4           8.6
-    8  encdis    24.38 (0.79x)  187.7 (1.06x)   182.4 (1.03x)  263.3 (1.18x)  11.1 (1.29x)
-    8  encdis+1  38.75 (1.25x)  106.0 (0.60x)   108.4 (0.61x)  135.9 (0.61x)   6.7 (0.77x)
+so every time is longer: `python bench/serve.py --concurrency 1,8 --num-prompts 16 --repeats 2`;
+mean TTFT against vllm's 27.9 ms at c=1: encdis 1.98x, encdis+1 1.24x; c=8: 1.06x and 0.60x;
+req/s at c=1 0.65x and 0.95x, at c=8 0.79x and 1.25x):
 
     c  system    queue  preprocess  encode  transfer  prefill  decode  other  total  node_ttft  front
     1  vllm        0.0           -       -         -     14.6    74.6    9.4   98.6       24.3    3.6
@@ -143,12 +125,10 @@ so every time is longer: `python bench/serve.py --concurrency 1,8 --num-prompts 
     8  encdis     10.9        23.4    37.2       0.1     66.9   167.6   31.8  337.9      170.3   17.4
     8  encdis+1    8.6        10.9    19.5       0.1     33.5    99.9   23.5  196.0       96.1    9.9
 
-`vllm serve` itself spends other + front = 13.0 ms of a c=1 request outside its engine's queue
-and prefill (its tower's forward included there); its other holds its image preprocessing, the
-work the encoder reports as preprocess (3.0 ms on a core of its own, 6.8 ms beside vLLM), so 6 to
-10 ms of it is overhead of the same kind as encdis's transfer + other + front (9.2 ms for
-encdis+1, 11.5 ms for encdis that day). On this machine the monolithic server is above 5 ms
-outside its own work as well.
+`vllm serve` spends other + front = 13.0 ms of a c=1 request outside its queue and prefill (its
+tower's forward is in prefill); its other holds its image preprocessing (the encoder's preprocess:
+3.0 ms on a core of its own, 6.8 ms beside vLLM), so 6-10 ms is overhead of the kind encdis's
+transfer + other + front is (9.2 ms encdis+1, 11.5 ms encdis): above 5 ms for both on this machine.
 
 What limits (b) on one core: the same image's tower forward takes 29 ms on core 0 beside
 the LLM node and 13 ms on a core of its own. vLLM's worker busy-polls its shared-memory

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import io
 import logging
 import os
 import signal
 import socket
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 
@@ -195,45 +193,6 @@ async def test_time_split_parts_match_what_the_encoder_did(tiny_ckpt) -> None:
     # Two images, each stalled 0.5 s after its header: each receive takes >= 0.5 s, not 1 s.
     assert 0.5 <= result.transfer_seconds < 0.5 + 0.3
     assert wall >= 1.0 and abs(result.wall_seconds - wall) < 0.05
-
-
-async def test_receive_buffers_in_the_region_are_made_while_the_encoder_works(tiny_ckpt, tmp_path) -> None:
-    """Received into the node's shared region, each image's buffer is there at its full size
-    before the encoder sends its bytes (the fake holds them after the first header), so the
-    copies do not wait for it; each embedding lands in its buffer and none is left over."""
-    from encdis.llm_node.embedding_region import EmbeddingRegion
-
-    region = EmbeddingRegion(torch.float32, parent=str(tmp_path))
-    fake = await FakeEncoder(tiny_ckpt).start()
-    fake.hold = threading.Event()
-    images = [png(120, 90, seed=13), png(60, 60, seed=14)]
-    coord = Coordinator.from_checkpoint(CoordinatorSettings(encoders=(fake.address,), encoder_wait_seconds=30.0,
-                                                                            cache_bytes=0),
-                                        CollectorRegistry(), tiny_ckpt)
-    coord.receive_buffers = region.buffer
-    await coord.start()
-
-    def buffer_sizes() -> list[int]:
-        return sorted(os.path.getsize(os.path.join(region.path, f)) for f in os.listdir(region.path))
-
-    try:
-        want = sorted(coord.grid_tokens(g) * coord.hidden_size * 4 for g in coord.image_grids(images))
-        encoding = asyncio.ensure_future(coord.encode(images))
-        await wait_for(lambda: fake.images_held == 1, what="the first header sent and its bytes held")
-        await wait_for(lambda: buffer_sizes() == want, 10, "both images' buffers in the region")
-        assert not encoding.done()
-        fake.hold.set()
-        result = await encoding
-        for i, got in enumerate(result.images):
-            assert region.file_of(got.embeds) is not None and bool((got.embeds == float(i)).all())
-        assert buffer_sizes() == want
-    finally:
-        await coord.stop()
-        await fake.stop()
-    del result, encoding, got
-    gc.collect()
-    await wait_for(lambda: os.listdir(region.path) == [], 10, "the region's files to go with their tensors")
-    region.close()
 
 
 async def test_encoder_of_another_checkpoint_is_refused_and_gets_no_work(pair, tiny_ckpt) -> None:
