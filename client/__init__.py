@@ -3,6 +3,7 @@
 Depends on grpcio, protobuf and numpy only (no torch), so any service can call encdis.
 """
 
+from encdis.client.chat_request import chat_request
 from encdis.client.encoder_client import AsyncEncoderClient, EncoderClient, EncoderDescription
 from encdis.client.errors import (
     DeadlineExceeded,
@@ -17,6 +18,7 @@ from encdis.client.errors import (
 )
 from encdis.client.generate_client import (
     AsyncGenerateClient,
+    ChatResult,
     EncoderInfo,
     GenerateChunk,
     GenerateClient,
@@ -29,6 +31,7 @@ from encdis.client.wire import Embedding
 __all__ = [
     "AsyncEncoderClient",
     "AsyncGenerateClient",
+    "ChatResult",
     "DeadlineExceeded",
     "Embedding",
     "EncdisError",
@@ -46,5 +49,6 @@ __all__ = [
     "Unauthenticated",
     "Unavailable",
     "Usage",
+    "chat_request",
     "WireError",
 ]

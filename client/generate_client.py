@@ -9,18 +9,27 @@
 TLS and an API key: `GenerateClient(target, root_certificates=ca_pem, api_key=key)`; the
 options are those of EncoderClient (encoder_client.py).
 
-Greedy unless a temperature is given. Failed calls raise the typed exceptions of
+The full form, a conversation with vLLM's sampling parameters (chat_request.py), answers as
+`vllm serve`'s chat API does for the same request:
+
+        answer = llm.chat([{"role": "user", "content": [image, "Describe it."]}], max_tokens=64,
+                          repetition_penalty=1.1, logprobs=True, top_logprobs=2)
+        print(answer.choices[0].text, answer.choices[0].logprobs[0])
+
+The simple form is greedy unless a temperature is given. Failed calls raise the typed exceptions of
 `encdis.client.errors` (InvalidArgument names the bad image, Unavailable when no encoder
 can serve the request, ...).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
+from encdis.client.chat_request import chat_request
 from encdis.client.client_base import AsyncClient, SyncClient
 from encdis.client.errors import from_rpc_error
 from encdis.client.pb import llm_pb2, llm_pb2_grpc
@@ -68,6 +77,8 @@ class GenerateChunk:
     request_id: str
     usage: Usage | None = None
     timing: TimeSplit | None = None
+    index: int = 0  # which of the request's n sequences this continues
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when asked for
 
     @classmethod
     def from_proto(cls, m: llm_pb2.GenerateResponse) -> GenerateChunk:
@@ -79,7 +90,23 @@ class GenerateChunk:
             request_id=m.request_id,
             usage=Usage.from_proto(m.usage) if m.HasField("usage") else None,
             timing=TimeSplit.from_proto(m.timing) if m.HasField("timing") else None,
+            index=m.index,
+            logprobs=tuple(TokenLogprob.from_proto(t) for t in m.logprobs),
         )
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's logprob and the most likely tokens at its position (token id, text, logprob)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[tuple[int, str, float], ...] = ()
+
+    @classmethod
+    def from_proto(cls, t: llm_pb2.TokenLogprob) -> TokenLogprob:
+        return cls(t.token_id, t.token, t.logprob, tuple((a.token_id, a.token, a.logprob) for a in t.top))
 
 
 @dataclass
@@ -92,13 +119,32 @@ class GenerateResult:
     request_id: str = ""
     usage: Usage | None = None
     timing: TimeSplit | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def add(self, c: GenerateChunk) -> None:
         self.text += c.text
         self.token_ids.extend(c.token_ids)
+        self.logprobs.extend(c.logprobs)
         self.request_id = c.request_id or self.request_id
+        self.finish_reason = c.finish_reason or self.finish_reason
         if c.finished:
-            self.finish_reason, self.usage, self.timing = c.finish_reason, c.usage, c.timing
+            self.usage, self.timing = c.usage, c.timing
+
+
+@dataclass
+class ChatResult:
+    """A whole answer to a full-form request: one GenerateResult per sequence (n), by index."""
+
+    choices: list[GenerateResult] = field(default_factory=list)
+    usage: Usage | None = None
+    timing: TimeSplit | None = None
+
+    def add(self, c: GenerateChunk) -> None:
+        while len(self.choices) <= c.index:
+            self.choices.append(GenerateResult())
+        self.choices[c.index].add(c)
+        if c.finished:
+            self.usage, self.timing = c.usage, c.timing
 
 
 @dataclass(frozen=True)
@@ -178,6 +224,24 @@ class GenerateClient(SyncClient):
             out.add(c)
         return out
 
+    def chat_stream(self, messages: Sequence[Mapping[str, Any]], *, timeout: float | None = None,
+                    request_id: str = "", **sampling: Any) -> Iterator[GenerateChunk]:
+        """Stream the answer to a conversation (see `chat_request` for the messages and sampling)."""
+        req = chat_request(messages, request_id=request_id, **sampling)
+        try:
+            for msg in self._stub.Generate(req, timeout=timeout or self.timeout):
+                yield GenerateChunk.from_proto(msg)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    def chat(self, messages: Sequence[Mapping[str, Any]], *, timeout: float | None = None, request_id: str = "",
+             **sampling: Any) -> ChatResult:
+        """The whole answer to a conversation, as `vllm serve`'s chat API would give it."""
+        out = ChatResult()
+        for c in self.chat_stream(messages, timeout=timeout, request_id=request_id, **sampling):
+            out.add(c)
+        return out
+
     def list_encoders(self, *, timeout: float | None = None) -> list[EncoderInfo]:
         try:
             r = self._stub.ListEncoders(llm_pb2.ListEncodersRequest(), timeout=timeout or self.timeout)
@@ -208,6 +272,25 @@ class AsyncGenerateClient(AsyncClient):
                        **params) -> GenerateResult:
         out = GenerateResult()
         async for c in self.generate_stream(prompt, images, timeout=timeout, **params):
+            out.add(c)
+        return out
+
+    async def chat_stream(self, messages: Sequence[Mapping[str, Any]], *, timeout: float | None = None,
+                          request_id: str = "", **sampling: Any) -> AsyncIterator[GenerateChunk]:
+        call = self._stub.Generate(chat_request(messages, request_id=request_id, **sampling),
+                                   timeout=timeout or self.timeout)
+        try:
+            async for msg in call:
+                yield GenerateChunk.from_proto(msg)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        finally:
+            call.cancel()
+
+    async def chat(self, messages: Sequence[Mapping[str, Any]], *, timeout: float | None = None,
+                   request_id: str = "", **sampling: Any) -> ChatResult:
+        out = ChatResult()
+        async for c in self.chat_stream(messages, timeout=timeout, request_id=request_id, **sampling):
             out.add(c)
         return out
 

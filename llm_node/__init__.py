@@ -2,9 +2,14 @@
 
 Where each role lives:
     server.py       wiring only: engine, coordinator, front doors, health, metrics, drain
-    generation.py   one generation for any front door: embeddings, prompt, vLLM, usage, time split
+    generation.py   images -> embeddings for any front door; the gRPC simple form's whole generation
     grpc_front.py   the gRPC front door (GenerateService): proto <-> GenerationRequest
-    http_front.py   the OpenAI-compatible HTTP front door (FastAPI + uvicorn on the node's loop)
+    grpc_chat.py    the gRPC door's full form (messages, vLLM's sampling) on vLLM's chat handling
+    http_front.py   the OpenAI-compatible HTTP door: keys, limits, admission, media, then vLLM's handlers
+    openai_layer.py vLLM's own OpenAI serving layer (chat, completions, models, tokenize) on the node's engine
+    request_fields.py  which fields of vLLM's request models are passed to it, which refused by name
+    media_parts.py  a chat request's image parts, replaced by embeddings addressed by digest
+    timed_engine.py the engine as vLLM's handlers see it: each request's time split into the metrics
     media.py        image bytes from an OpenAI image_url (data: URIs, allowed http(s) hosts)
     admission.py    admission control: requests and embedding bytes in flight
     engine.py       the vLLM AsyncLLM host (also the monolithic reference with the tower loaded)

@@ -29,6 +29,7 @@ from encdis.client.errors import InvalidArgument, ResourceExhausted, Unavailable
 from encdis.llm_node.coordinator.records import ImageEmbedding
 from encdis.llm_node.embedding_region import EmbeddingRegion
 from encdis.llm_node.handoff import EmbeddingHandoff, RegionHandoff
+from encdis.llm_node.openai_layer import engine_surface_kwargs
 from encdis.llm_node.settings import LLMSettings
 
 log = logging.getLogger(__name__)
@@ -158,11 +159,14 @@ def engine_kwargs(settings: LLMSettings, *, tower: bool, max_images: int = 16,
         seed=0,
         enforce_eager=cpu,  # no CUDA graphs / compile on CPU: faster start, same numerics
         worker_extension_cls=PROBE_CLS,
-        disable_log_stats=True,
+        # vLLM's own statistics, as `vllm serve` keeps them: its vllm:* metrics beside encdis's, and
+        # the per-request stats its request spans are built from.
+        disable_log_stats=False,
+        # The engine side of `vllm serve`'s OpenAI-surface flags (sampling defaults, logprobs, ...).
+        **engine_surface_kwargs(settings),
     )
     if settings.otlp_traces_endpoint:  # vLLM's own request spans, joined to encdis's by trace_headers
         kw["otlp_traces_endpoint"] = settings.otlp_traces_endpoint
-        kw["disable_log_stats"] = False  # vLLM builds its request span from the per-request stats
     if not cpu:
         kw["gpu_memory_utilization"] = settings.gpu_memory_utilization
     if tower:

@@ -10,6 +10,7 @@ time split (queue, encode, transfer: the coordinator's; prefill, decode: the eng
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -20,13 +21,15 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
 
-from encdis.client.errors import InvalidArgument, Unavailable
+from encdis.client.errors import InvalidArgument, ResourceExhausted, Unavailable
 from encdis.llm_node.admission import Admission, Slot
 from encdis.llm_node.coordinator import Coordinator, ImageEmbedding
 from encdis.llm_node.engine import EngineHost, SamplingSpec
+from encdis.llm_node.media_parts import ImagePart, replace_images
 from encdis.llm_node.metrics import LLMNodeMetrics
 from encdis.llm_node.prompt import PromptRenderer
 from encdis.llm_node.settings import LLMSettings
+from encdis.llm_node.timed_engine import DoorRequest
 from encdis.serving import InFlight
 from encdis.tracing import context_from_metadata, trace_metadata
 
@@ -44,6 +47,13 @@ class GenerationRequest:
     # The admission slot the front door took before reading the request (None: generate takes one).
     slot: Slot | None = None
     trace_context: Mapping[str, str] = field(default_factory=dict)  # the caller's traceparent/tracestate
+
+
+@dataclass(frozen=True)
+class EncodedImages:
+    images: list[ImageEmbedding]
+    cached: int  # how many came from a cache
+    split: dict[str, float]  # seconds: queue, preprocess, encode, transfer (the coordinator's)
 
 
 @dataclass(frozen=True)
@@ -93,6 +103,10 @@ class GenerationService:
         metrics.watch_admission(self.admission)
         self.tracing = coordinator.tracing  # one tracer per node, shared with its coordinator
 
+    def tracked(self) -> contextlib.AbstractContextManager[None]:
+        """Counts a request in flight (one the front door serves itself) for the drain to wait on."""
+        return self._calls.track()
+
     async def wait_idle(self, timeout: float) -> bool:
         """True when no generation is in flight (within `timeout`)."""
         return await self._calls.wait_idle(timeout)
@@ -139,24 +153,51 @@ class GenerationService:
         # headers take milliseconds each): the image grids from the headers, the prompt's
         # length with them against the context, then the bytes the embeddings will take.
         grids, digests, prompt, sampling = await asyncio.to_thread(self._prepare, images, req.messages, req.sampling)
+        encoded = await self.encode_images(images, grids, digests, slot, deadline=req.deadline, span=span)
+        # vLLM traces only when the node does (the same endpoint), and warns when handed headers otherwise.
+        trace_headers = dict(trace_metadata(trace.set_span_in_context(span))) if self.tracing.enabled else None
+        async for step in self._run_engine(prompt, sampling, encoded.images, req.request_id, encoded.cached,
+                                           t_start, encoded.split, trace_headers):
+            yield step
+
+    def image_grids_and_digests(self, images: list[bytes]) -> tuple[list[tuple[int, int, int]], list[str]]:
+        """The images' grids from their headers, then their digests. Blocking: run it in a worker thread."""
+        validate_images(images, self.settings)
+        grids = self.coordinator.image_grids(images) if images else []
+        return grids, self.coordinator.digests(images) if images else []
+
+    async def encode_images(self, images: list[bytes], grids: list[tuple[int, int, int]], digests: list[str],
+                            slot: Slot, *, deadline: float | None = None, span: Span | None = None) -> EncodedImages:
+        """The images' embeddings from the pool, their bytes reserved on `slot` first (admission)."""
         image_tokens = [self.coordinator.grid_tokens(g) for g in grids]
         slot.reserve(sum(image_tokens) * self.coordinator.hidden_size * MAX_ITEMSIZE)
         self.metrics.images.inc(len(images))
-        embedded: list[ImageEmbedding] = []
-        queue_s = preprocess_s = encode_s = transfer_s = 0.0
-        cached = 0
-        if images:
-            with trace.use_span(span):
-                result = await self.coordinator.encode(images, deadline=req.deadline, grids=grids, digests=digests)
-            embedded = result.images
-            cached = sum(result.cached)
-            queue_s, preprocess_s = result.queue_seconds, result.preprocess_seconds
-            encode_s, transfer_s = result.encode_seconds, result.transfer_seconds
-        # vLLM traces only when the node does (the same endpoint), and warns when handed headers otherwise.
-        trace_headers = dict(trace_metadata(trace.set_span_in_context(span))) if self.tracing.enabled else None
-        async for step in self._run_engine(prompt, sampling, embedded, req.request_id, cached,
-                                           t_start, (queue_s, preprocess_s, encode_s, transfer_s), trace_headers):
-            yield step
+        if not images:
+            return EncodedImages([], 0, {})
+        with trace.use_span(span) if span is not None else contextlib.nullcontext():
+            result = await self.coordinator.encode(images, deadline=deadline, grids=grids, digests=digests)
+        split = dict(queue=result.queue_seconds, preprocess=result.preprocess_seconds, encode=result.encode_seconds,
+                     transfer=result.transfer_seconds)
+        return EncodedImages(list(result.images), sum(result.cached), split)
+
+    async def embed_parts(self, messages: list[dict[str, Any]], parts: Sequence[ImagePart], images: list[bytes],
+                          slot: Slot, door: DoorRequest, *, span: Span | None = None,
+                          deadline: float | None = None, encode: bool = True) -> None:
+        """Each image part of `messages` (chat messages in vLLM's form) replaced by its embedding's digest
+        and grid: encoded by the pool and held in the shared region for the request (`door.held`,
+        released by the caller), or, without `encode`, only its grid read (counting tokens)."""
+        grids, digests = await asyncio.to_thread(self.image_grids_and_digests, images)
+        if encode:
+            encoded = await self.encode_images(images, grids, digests, slot, deadline=deadline, span=span)
+            door.split = encoded.split
+            door.cached = encoded.cached
+            door.image_tokens = sum(int(e.embeds.shape[0]) for e in encoded.images)
+            try:
+                await self.engine.handoff.mm_data(encoded.images)
+            except OSError as e:
+                raise ResourceExhausted(f"no room for the request's embeddings in the shared region ({e})") from None
+            door.held = encoded.images
+        replace_images(messages, parts, grids, digests)
 
     def _prepare(self, images: list[bytes], messages: list[dict[str, Any]],
                  sampling: SamplingSpec) -> tuple[list[tuple[int, int, int]], list[str], str, SamplingSpec]:
@@ -192,9 +233,10 @@ class GenerationService:
 
     async def _run_engine(self, prompt: str, sampling: SamplingSpec, embedded: list[ImageEmbedding],
                           request_id: str, cached: int, t_start: float,
-                          coordinator_split: tuple[float, float, float, float],
+                          coordinator_split: dict[str, float],
                           trace_headers: dict[str, str] | None = None) -> AsyncIterator[Step]:
-        queue_s, preprocess_s, encode_s, transfer_s = coordinator_split
+        queue_s, preprocess_s, encode_s, transfer_s = (coordinator_split.get(k, 0.0) for k in
+                                                       ("queue", "preprocess", "encode", "transfer"))
         image_tokens = sum(int(e.embeds.shape[0]) for e in embedded)
         # The caller's id is theirs to reuse: two in flight with the same id never collide in vLLM.
         engine_id = f"{request_id}-{uuid.uuid4().hex[:12]}"

@@ -1,30 +1,35 @@
 """The gRPC front door (GenerateService): proto <-> GenerationRequest, and sampling checks.
 
-A Generate call is one user turn (the images, then the prompt) handed to the node's
-GenerationService (generation.py), whose steps are relayed as they come; the last message
-carries usage and the time split. Errors are encdis.client.errors exceptions; the shared
-interceptor maps them to status codes.
+A Generate call in the simple form is one user turn (the images, then the prompt) handed to the
+node's GenerationService (generation.py), whose steps are relayed as they come. The full form
+(`messages` and `sampling`) is vLLM's own chat handling, as on the HTTP door (grpc_chat.py), so
+both doors answer one request alike. The last message carries usage and the time split. Errors
+are encdis.client.errors exceptions; the shared interceptor maps them to status codes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import re
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
-from encdis.client.errors import InvalidArgument
+from encdis.client.errors import InvalidArgument, Unavailable
 from encdis.client.pb import llm_pb2, llm_pb2_grpc
+from encdis.llm_node import grpc_chat
 from encdis.llm_node.coordinator import Coordinator, EncoderStatus
 from encdis.llm_node.engine import SamplingSpec
 from encdis.llm_node.generation import GenerationRequest, GenerationService
 from encdis.llm_node.prompt import user_message
 from encdis.llm_node.settings import LLMSettings
-from encdis.tracing import TRACE_KEYS
+from encdis.llm_node.timed_engine import CURRENT, DoorRequest
+from encdis.tracing import TRACE_KEYS, context_from_metadata, trace_metadata
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +81,21 @@ def sampling_from_request(req: llm_pb2.GenerateRequest, max_model_len: int) -> S
 class GenerateServicer(llm_pb2_grpc.GenerateServiceServicer):
     """The LLM node's gRPC front door."""
 
-    def __init__(self, settings: LLMSettings, service: GenerationService, coordinator: Coordinator) -> None:
+    def __init__(self, settings: LLMSettings, service: GenerationService, coordinator: Coordinator,
+                 chat: Any = None) -> None:
+        """`chat`: vLLM's OpenAIServingChat on the node's engine (openai_layer.py), for the full form."""
         self.settings = settings
         self.service = service
         self.coordinator = coordinator
+        self.chat = chat
 
     async def Generate(self, request: llm_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[llm_pb2.GenerateResponse]:
         request_id = checked_request_id(request.request_id) or uuid.uuid4().hex
+        if request.messages:
+            async for msg in self._chat(request, context, request_id):
+                yield msg
+            return
         req = GenerationRequest(
             messages=user_message(request.prompt, len(request.images)),
             images=list(request.images),
@@ -103,6 +115,78 @@ class GenerateServicer(llm_pb2_grpc.GenerateServiceServicer):
                     image_tokens=u.image_tokens, images=u.images, cached_images=u.cached_images))
                 msg.timing.CopyFrom(llm_pb2.TimeSplit(**{f"{k}_seconds": v for k, v in step.timing.items()}))
             yield msg
+
+    async def _chat(self, request: llm_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
+                    request_id: str) -> AsyncIterator[llm_pb2.GenerateResponse]:
+        """The full form: vLLM's chat handling (grpc_chat.py), the images through the pool."""
+        from opentelemetry import trace
+        from opentelemetry.trace import SpanKind
+
+        service, chat = self.service, self.chat
+        if chat is None:
+            raise Unavailable("this node serves only the simple form (no vLLM chat handler)")
+        body, parts, images = grpc_chat.chat_body(request, self.settings.served_model_name or self.settings.model)
+        if len(images) > self.settings.max_images_per_request:
+            raise InvalidArgument(f"{len(images)} images in one request; the limit is "
+                                  f"{self.settings.max_images_per_request}")
+        door = DoorRequest()
+        span = service.tracing.tracer.start_span("encdis.generate", kind=SpanKind.SERVER, attributes={
+            "encdis.images": len(images), "encdis.request_id": request_id},
+            context=context_from_metadata(trace_headers(context.invocation_metadata())))
+        code = "OK"
+        with service.tracked():
+            slot = None
+            try:
+                if service.draining:
+                    raise Unavailable("the LLM node is draining; send the request to another node")
+                slot = service.admission.take()
+                if parts:
+                    await service.embed_parts(body["messages"], parts, images, slot, door, span=span,
+                                              deadline=call_deadline(context))
+                del images
+                req, engine_input, sampling = await grpc_chat.render(chat, body)
+                headers = dict(trace_metadata(trace.set_span_in_context(span))) if service.tracing.enabled else None
+                top = req.top_logprobs if req.logprobs else None
+                completion = 0
+                token = CURRENT.set(door)
+                try:
+                    engine_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
+                    async for out in chat.engine_client.generate(engine_input, sampling, engine_id,
+                                                                 trace_headers=headers):
+                        msgs = []
+                        for c in out.outputs:
+                            completion += len(c.token_ids)
+                            msgs.append(llm_pb2.GenerateResponse(
+                                text=c.text, token_ids=c.token_ids, index=c.index, request_id=request_id,
+                                finish_reason=c.finish_reason or "",
+                                logprobs=grpc_chat.token_logprobs(chat, c, top)))
+                        if out.finished:
+                            last = msgs[-1] if msgs else llm_pb2.GenerateResponse(request_id=request_id)
+                            last.finished = True
+                            last.usage.CopyFrom(llm_pb2.Usage(
+                                prompt_tokens=len(out.prompt_token_ids or ()), completion_tokens=completion,
+                                image_tokens=door.image_tokens, images=len(parts), cached_images=door.cached))
+                            last.timing.CopyFrom(llm_pb2.TimeSplit(
+                                **{f"{k}_seconds": v for k, v in door.timing.items()}))
+                            msgs[-1:] = [last]
+                        for msg in msgs:
+                            yield msg
+                finally:
+                    CURRENT.reset(token)
+            except (asyncio.CancelledError, GeneratorExit):
+                code = "CANCELLED"
+                raise
+            except Exception as e:
+                code = getattr(getattr(e, "code", None), "name", "INTERNAL")
+                raise
+            finally:
+                if door.held:
+                    service.engine.handoff.done(door.held)
+                if slot is not None:
+                    slot.release()
+                service.metrics.requests.labels(code).inc()
+                span.set_attribute("rpc.grpc.status_code", code)
+                span.end()
 
     async def ListEncoders(self, request: llm_pb2.ListEncodersRequest,
                            context: grpc.aio.ServicerContext) -> llm_pb2.ListEncodersResponse:

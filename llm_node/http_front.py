@@ -1,53 +1,58 @@
-"""The OpenAI-compatible HTTP front door: /v1/chat/completions, /v1/models, /health.
+"""The OpenAI-compatible HTTP front door: encdis's checks in front of vLLM's own OpenAI serving layer.
 
-FastAPI + uvicorn (both ship with vLLM; this module is imported only with --http-port) in
-the node's own event loop, on the same
-GenerationService as the gRPC front door. Requests parse with vLLM's own
-ChatCompletionRequest and answers are vLLM's own response models, so any OpenAI client,
-`vllm bench serve`, guidellm or aiperf sees exactly what `vllm serve` would send.
+Behind the door is vLLM's serving layer on the node's engine (openai_layer.py): /v1/chat/completions,
+/v1/completions, /v1/models, /tokenize, /detokenize, /version answer as `vllm serve` answers them.
+The door does what only encdis does, in this order, each before the work it bounds:
 
-A message's content is a string or `text` / `image_url` parts; each image becomes a
-placeholder in the chat template, in order, as vLLM renders it. Streaming is server-sent
-events ending with `data: [DONE]`; `stream_options.include_usage` adds a last usage chunk.
-Errors are OpenAI's error object: 400 (names the bad image's index), 401 without a valid
-API key (when the node has keys; /health stays open), 413, 429 with
-Retry-After, 503 while draining or with no encoder, 500 with a fixed message otherwise.
+- API keys (401; /health stays open), drain (503) and an admission slot (429 with Retry-After),
+  all before the body is read;
+- the body: one request's limit (413 as soon as a body passes it, declared or chunked) and one
+  budget for all bodies being read at once (429 before reading a body that does not fit); parsed
+  in a worker thread and held once (the buffer it was read into);
+- the fields vLLM's models have that the node cannot honour are refused by name (request_fields.py);
+- media: each image part is loaded (data: URIs; URLs from --allowed-media-domains), its grid read
+  from its header, its bytes reserved by admission, encoded by the pool, held in the shared region
+  for the request, and replaced by an `image_embeds` part of grid and digest (media_parts.py);
+  /tokenize needs only the grids, so its images are never encoded.
 
-Limits come before work: a request takes its admission slot before its body is read (a full
-node answers 429 without reading it), the body is read as a stream against a running limit
-(413 as soon as it passes it, whatever Content-Length said or with none: chunked), and the
-JSON and base64 decoding run in a worker thread, off the event loop.
+Then vLLM's handler gets the rewritten request, with the door's span as its trace parent; the
+node's metrics count every answered request by its status and, through timed_engine.py, time it.
+Errors before vLLM are OpenAI's error object: 400 naming what was wrong, 401, 413, 429, 503, 500
+with a fixed message (details in the log).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
-import time
-import uuid
-from collections.abc import AsyncIterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-
 from encdis.client.errors import EncdisError, InvalidArgument, ResourceExhausted, Unavailable
-from encdis.llm_node.engine import SamplingSpec
-from encdis.llm_node.generation import GenerationRequest, GenerationService, Step
+from encdis.llm_node.admission import Slot
+from encdis.llm_node.generation import GenerationService
 from encdis.llm_node.media import MediaLoader
+from encdis.llm_node.media_parts import ImagePart, image_parts
+from encdis.llm_node.request_fields import refuse_unsupported
 from encdis.llm_node.settings import LLMSettings
-from encdis.tracing import TRACE_KEYS
+from encdis.llm_node.timed_engine import CURRENT, DoorRequest
+from encdis.tracing import TRACE_KEYS, context_from_metadata, trace_metadata
 
 log = logging.getLogger(__name__)
 
 INTERNAL_MESSAGE = "internal error (details are in the node's log)"
-MAX_BODY_BYTES_OVER_IMAGES = 1 << 20  # room for the JSON around the base64 images
 RETRY_AFTER_SECONDS = "1"
-ROLES = ("system", "user", "assistant")
+# Requests whose bodies the door reads: what they may carry is checked before vLLM sees them.
+CHAT_PATHS = frozenset({"/v1/chat/completions", "/tokenize"})
+BODY_PATHS = CHAT_PATHS | {"/v1/completions", "/detokenize"}
+# Bodies up to this size are parsed and written back on the loop (less than a thread hop costs).
+INLINE_BODY_BYTES = 64 * 1024
+# A body's bytes are held at most twice while it is parsed (its text, then the objects made of it).
+PARSE_PEAK = 2
+STATUS_CODES = {200: "OK", 400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND",
+                413: "RESOURCE_EXHAUSTED", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
 
 
 class HttpError(Exception):
@@ -56,20 +61,10 @@ class HttpError(Exception):
         self.status, self.message, self.kind, self.param = status, message, kind, param
 
 
-def default_sampling(model_dir: str) -> dict[str, Any]:
-    """The checkpoint's generation_config.json defaults, as `vllm serve` applies them."""
-    path = Path(model_dir) / "generation_config.json"
-    if not path.exists():
-        return {}
-    cfg = json.loads(path.read_text())
-    return {k: cfg[k] for k in ("temperature", "top_p", "top_k") if cfg.get(k) is not None}
-
-
 def _error_for(e: Exception) -> HttpError:
     if isinstance(e, HttpError):
         return e
     if isinstance(e, InvalidArgument):
-        # The field the details name (images[i]: the request's i-th image, in order of appearance).
         return HttpError(400, e.message, param=e.violations[0].field if e.violations else None)
     if isinstance(e, ResourceExhausted):
         return HttpError(429, e.message, "RateLimitError")
@@ -77,7 +72,7 @@ def _error_for(e: Exception) -> HttpError:
         return HttpError(503, e.message, "ServiceUnavailableError")
     if isinstance(e, EncdisError) and e.code.name == "UNAUTHENTICATED":
         return HttpError(401, e.message, "AuthenticationError")
-    log.exception("chat completion failed")
+    log.exception("request failed before vLLM's handler")
     return HttpError(500, INTERNAL_MESSAGE, "InternalServerError")
 
 
@@ -85,240 +80,217 @@ def error_body(err: HttpError) -> dict[str, Any]:
     return {"error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.status}}
 
 
-class ChatFront:
-    """Turns OpenAI chat requests into GenerationRequests and Steps back into OpenAI objects."""
+async def _send_json(send: Callable, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
+    data = json.dumps(body).encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    head += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": data})
 
-    def __init__(self, settings: LLMSettings, service: GenerationService) -> None:
+
+class BodyBudget:
+    """Bytes of request bodies being read at once, all requests together."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self, n: int) -> bool:
+        if self.held + n > self.limit:
+            return False
+        self.held += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.held -= n
+
+
+class Door:
+    """The ASGI app: encdis's checks and media, then `inner` (vLLM's serving app)."""
+
+    def __init__(self, settings: LLMSettings, service: GenerationService, serving_state: Callable[[], Any],
+                 inner: Any) -> None:
         self.settings = settings
         self.service = service
-        self.model_name = settings.served_model_name or settings.model
-        self.defaults = default_sampling(settings.model)
-        # Request bodies carry base64 images (4/3 of their bytes).
-        self.max_body_bytes = (settings.max_images_per_request * settings.max_image_bytes * 4 // 3
-                               + MAX_BODY_BYTES_OVER_IMAGES)
+        self.serving_state = serving_state
+        self.inner = inner
+        self.max_body = settings.http_body_bytes
+        self.budget = BodyBudget(settings.http_body_budget)
         self.media = MediaLoader(allowed_domains=settings.allowed_media_domains, max_bytes=settings.max_image_bytes,
                                  timeout_seconds=settings.media_timeout_seconds)
 
-    async def read_body(self, request: Request) -> bytes:
-        """The request's body, refused (413) as soon as it passes the limit: never read whole first."""
-        limit = self.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise HttpError(413, f"request body of {declared} bytes exceeds the limit {limit}",
-                            "PayloadTooLargeError")
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise HttpError(413, f"request body exceeds the limit {limit}", "PayloadTooLargeError")
-        return bytes(body)
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return  # no lifespan: the node starts and stops what the app uses
+        if scope["path"] == "/health":
+            ok, why = self.serving_state()
+            await _send_json(send, 200 if ok else 503, {"status": "ok"} if ok else {"status": why})
+            return
+        if scope["method"] == "POST" and scope["path"] in BODY_PATHS:
+            await self._post(scope, receive, send)
+            return
+        if self.inner is None:
+            await _send_json(send, 404, error_body(HttpError(404, f"{scope['path']} not found", "NotFoundError")))
+            return
+        await self.inner(scope, receive, send)
 
-    async def parse(self, raw: bytes, slot: Any = None) -> tuple[Any, GenerationRequest]:
-        """The request and its GenerationRequest (holding `slot`, the admission slot taken for it)."""
-        req, messages, urls = await asyncio.to_thread(self._parse_sync, raw)
-        images = await self.media.load_all(urls)
-        return req, self._generation_request(req, messages, images, slot)
+    async def _post(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        status = [500]
 
-    def _parse_sync(self, raw: bytes) -> tuple[Any, list[dict[str, Any]], list[str]]:
-        """JSON -> vLLM's ChatCompletionRequest -> messages and image URLs. Blocking (megabytes)."""
-        from pydantic import ValidationError
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        async def send_status(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
 
+        from opentelemetry.trace import SpanKind
+
+        service = self.service
+        caller = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        span = service.tracing.tracer.start_span(
+            "encdis.generate", kind=SpanKind.SERVER,
+            context=context_from_metadata({k: v for k, v in caller.items() if k in TRACE_KEYS}))
+        door = DoorRequest()
+        with service.tracked():
+            slot: Slot | None = None
+            try:
+                if service.draining:
+                    raise Unavailable("the LLM node is draining; send the request to another node")
+                slot = service.admission.take()  # before the body is read: a full node reads nothing
+                body = await self._prepare(scope, receive, slot, span, door)
+                headers = [(k, v) for k, v in scope["headers"] if k not in (b"content-length", b"traceparent",
+                                                                               b"tracestate")]
+                headers.append((b"content-length", str(len(body)).encode()))
+                if service.tracing.enabled:  # vLLM's request span joins the door's
+                    from opentelemetry import trace
+
+                    headers += [(k.encode(), v.encode()) for k, v in
+                                trace_metadata(trace.set_span_in_context(span))]
+                token = CURRENT.set(door)
+                try:
+                    await self.inner({**scope, "headers": headers}, _replay(body, receive), send_status)
+                finally:
+                    CURRENT.reset(token)
+            except Exception as e:
+                err = _error_for(e)
+                status[0] = err.status
+                retry = {"Retry-After": RETRY_AFTER_SECONDS} if err.status in (429, 503) else None
+                await _send_json(send, err.status, error_body(err), retry)
+            finally:
+                if door.held:
+                    service.engine.handoff.done(door.held)
+                if slot is not None:
+                    slot.release()
+                code = STATUS_CODES.get(status[0], "INTERNAL")
+                service.metrics.requests.labels(code).inc()
+                span.set_attribute("http.response.status_code", status[0])
+                span.end()
+
+    async def _prepare(self, scope: dict[str, Any], receive: Callable, slot: Slot, span: Any,
+                       door: DoorRequest) -> bytes:
+        """The body vLLM gets: media parts as embeddings, held for the request (door.held)."""
+        raw, reserved = await self._read_body(scope, receive)
+        inline = len(raw) <= INLINE_BODY_BYTES
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise HttpError(400, f"request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise HttpError(400, "request body must be a JSON object")
-        try:
-            req = ChatCompletionRequest.model_validate(body)
-        except ValidationError as e:
-            first = e.errors()[0] if e.errors() else {}
-            where = ".".join(str(p) for p in first.get("loc", ()))
-            raise HttpError(400, f"invalid request: {where}: {first.get('msg', e)}", param=where or None) from None
-        if (req.n or 1) != 1:
-            raise HttpError(400, f"n={req.n} is not supported: only n=1", param="n")
-        messages, urls = self._messages(req.messages)
-        if len(urls) > self.settings.max_images_per_request:
-            raise HttpError(400, f"{len(urls)} images in one request; the limit is "
-                                 f"{self.settings.max_images_per_request}")
-        return req, messages, urls
-
-    def _generation_request(self, req: Any, messages: list[dict[str, Any]], images: list[bytes],
-                            slot: Any) -> GenerationRequest:
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        if max_tokens is not None and max_tokens > self.settings.max_model_len:
-            raise HttpError(400, f"max_tokens {max_tokens} exceeds the model's context length "
-                                 f"{self.settings.max_model_len}", param="max_tokens")
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        d = self.defaults
-        sampling = SamplingSpec(
-            max_tokens=max_tokens,
-            temperature=req.temperature if req.temperature is not None else d.get("temperature", 1.0),
-            top_p=req.top_p if req.top_p is not None else d.get("top_p", 1.0),
-            top_k=req.top_k if req.top_k is not None else d.get("top_k", 0),
-            seed=req.seed,
-            ignore_eos=bool(getattr(req, "ignore_eos", False)),
-            stop=tuple(stop),
-        )
-        return GenerationRequest(messages=messages, images=images, sampling=sampling,
-                                 request_id=f"chatcmpl-{uuid.uuid4().hex}", slot=slot)
-
-    def _messages(self, raw: list[Any]) -> tuple[list[dict[str, Any]], list[str]]:
-        """Messages for the chat template (image parts as placeholders) and the image URLs in order."""
-        messages: list[dict[str, Any]] = []
-        urls: list[str] = []
-        for m, msg in enumerate(raw):
-            role = msg.get("role")
-            if role not in ROLES:
-                raise HttpError(400, f"messages[{m}]: role {role!r} is not one of {', '.join(ROLES)}",
-                                param=f"messages.{m}.role")
-            content = msg.get("content")
-            if content is None:
-                content = []
-            elif isinstance(content, str):
-                content = [{"type": "text", "text": content}]
-            parts: list[dict[str, Any]] = []
-            for p, part in enumerate(content):
-                kind = part.get("type")
-                if kind == "text":
-                    parts.append({"type": "text", "text": part.get("text", "")})
-                elif kind == "image_url":
-                    image_url = part.get("image_url") or {}
-                    url = image_url.get("url") if isinstance(image_url, dict) else image_url
-                    if not isinstance(url, str) or not url:
-                        raise HttpError(400, f"image {len(urls)}: image_url has no url",
-                                        param=f"messages.{m}.content.{p}")
-                    urls.append(url)
-                    parts.append({"type": "image"})
-                else:
-                    raise HttpError(400, f"messages[{m}].content[{p}]: part type {kind!r} is not supported "
-                                         "(text, image_url)", param=f"messages.{m}.content.{p}")
-            messages.append({"role": role, "content": parts})
-        return messages, urls
-
-    async def complete(self, req: Any, gen: GenerationRequest) -> dict[str, Any]:
-        from vllm.entrypoints.openai.chat_completion.protocol import (
-            ChatCompletionResponse,
-            ChatCompletionResponseChoice,
-            ChatMessage,
-        )
-
-        text, last = [], None
-        async for step in self.service.generate(gen):
-            text.append(step.text)
-            last = step
-        assert last is not None and last.usage is not None
-        resp = ChatCompletionResponse(
-            id=gen.request_id, model=self.model_name, usage=_usage(last),
-            choices=[ChatCompletionResponseChoice(index=0, message=ChatMessage(role="assistant", content="".join(text)),
-                                                  finish_reason=last.finish_reason or "stop")],
-        )
-        return resp.model_dump(exclude_none=True)
-
-    async def stream(self, req: Any, gen: GenerationRequest, steps: AsyncIterator[Step],
-                     first: Step) -> AsyncIterator[str]:
-        """Server-sent events; `first` is the first step, already taken (so errors before it are a status)."""
-        from vllm.entrypoints.generate.base.protocol import DeltaMessage
-        from vllm.entrypoints.openai.chat_completion.protocol import (
-            ChatCompletionResponseStreamChoice,
-            ChatCompletionStreamResponse,
-        )
-
-        created = int(time.time())
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-        def chunk(delta: DeltaMessage, finish_reason: str | None = None, usage: Any = None,
-                  choices: bool = True) -> str:
-            body = ChatCompletionStreamResponse(
-                id=gen.request_id, created=created, model=self.model_name, usage=usage,
-                choices=[ChatCompletionResponseStreamChoice(index=0, delta=delta, finish_reason=finish_reason)]
-                if choices else [],
-            )
-            return f"data: {body.model_dump_json(exclude_none=True)}\n\n"
-
-        yield chunk(DeltaMessage(role="assistant", content=""))
-        step: Step | None = first
-        try:
-            while step is not None:
-                if step.text or step.finished:
-                    yield chunk(DeltaMessage(content=step.text),
-                                finish_reason=(step.finish_reason or "stop") if step.finished else None)
-                if step.finished:
-                    if include_usage:
-                        yield chunk(DeltaMessage(), usage=_usage(step), choices=False)
-                    break
-                step = await anext(steps, None)
-        except Exception as e:  # after the status line: report in the stream, as vLLM does
-            yield f"data: {json.dumps(error_body(_error_for(e)))}\n\n"
+            body = _parse(raw) if inline else await asyncio.to_thread(_parse, raw)
         finally:
-            await steps.aclose()  # a client that went away cancels its generation now
-        yield "data: [DONE]\n\n"
+            self.budget.give(reserved)
+        refuse_unsupported(body)
+        parts = image_parts(body.get("messages")) if scope["path"] in CHAT_PATHS else []
+        if len(parts) > self.settings.max_images_per_request:
+            raise InvalidArgument(f"{len(parts)} images in one request; the limit is "
+                                  f"{self.settings.max_images_per_request}")
+        if parts:
+            await self._embed(scope["path"], body, parts, slot, span, door)
+        return _dumps(body) if inline else await asyncio.to_thread(_dumps, body)
+
+    async def _embed(self, path: str, body: dict[str, Any], parts: list[ImagePart], slot: Slot, span: Any,
+                     door: DoorRequest) -> None:
+        images = await self.media.load_all([p.url for p in parts])
+        # Counting tokens needs the grids only: /tokenize's images are never encoded.
+        await self.service.embed_parts(body["messages"], parts, images, slot, door, span=span,
+                                       encode=path != "/tokenize")
+
+    async def _read_body(self, scope: dict[str, Any], receive: Callable) -> tuple[bytearray, int]:
+        """The body and the budget it holds (give it back once parsed): refused (413) as soon as it passes
+        the limit and (429) when all bodies being read would pass the budget; a declared length is
+        checked before a byte is read. A body is counted at its peak while parsed (PARSE_PEAK)."""
+        limit = self.max_body
+        declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        declared = int(declared) if declared is not None and declared.isdigit() else None
+        if declared is not None and declared > limit:
+            raise HttpError(413, f"request body of {declared} bytes exceeds the limit {limit}", "PayloadTooLargeError")
+        reserved = 0
+        body = bytearray()
+        try:
+            if declared is not None:
+                self._take(declared * PARSE_PEAK)
+                reserved = declared * PARSE_PEAK
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise asyncio.CancelledError("the client went away")
+                body += message.get("body", b"")
+                if len(body) > limit:
+                    raise HttpError(413, f"request body exceeds the limit {limit}", "PayloadTooLargeError")
+                if len(body) * PARSE_PEAK > reserved:
+                    self._take(len(body) * PARSE_PEAK - reserved)
+                    reserved = len(body) * PARSE_PEAK
+                if not message.get("more_body", False):
+                    return body, reserved
+        except BaseException:
+            self.budget.give(reserved)
+            raise
+
+    def _take(self, n: int) -> None:
+        if not self.budget.take(n):
+            raise ResourceExhausted(f"request bodies being read hold {self.budget.held} bytes of the node's budget "
+                                    f"of {self.budget.limit}; this one needs {n} more (retry later)")
 
 
-def _usage(step: Step) -> Any:
-    from vllm.entrypoints.serve.engine.protocol import UsageInfo
+def _parse(raw: bytearray) -> dict[str, Any]:
+    """The JSON object in `raw`, which it empties: the text is decoded first and the buffer freed, so no
+    more than two copies of a body's bytes are held at once (PARSE_PEAK)."""
+    try:
+        text = raw.decode()
+        raw.clear()
+        body = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise HttpError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise HttpError(400, "request body must be a JSON object")
+    return body
 
-    u = step.usage
-    assert u is not None
-    return UsageInfo(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                     total_tokens=u.prompt_tokens + u.completion_tokens)
+
+def _dumps(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, separators=(",", ":")).encode()
 
 
-def build_app(settings: LLMSettings, service: GenerationService, serving_state: Any, api_keys: Any = None) -> Any:
-    """The FastAPI app; `serving_state()` is True while the node serves (health). With `api_keys`
-    (encdis.auth.ApiKeys) every path but /health needs `Authorization: Bearer KEY` (else 401)."""
-    front = ChatFront(settings, service)
-    app = FastAPI(title="encdis", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.media = front.media  # HttpFront.stop closes its session
+def _replay(body: bytes, receive: Callable) -> Callable:
+    """`receive` for vLLM's handler: the rewritten body, then the client's own messages (disconnects)."""
+    sent = False
+
+    async def replay() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def build_app(settings: LLMSettings, service: GenerationService, serving_state: Callable[[], Any],
+              api_keys: Any = None, inner: Any = None) -> Any:
+    """The door's ASGI app in front of `inner` (vLLM's serving app, openai_layer.build_vllm_app); with
+    `api_keys` (encdis.auth.ApiKeys) every path but /health needs `Authorization: Bearer KEY` (else 401)."""
+    app: Any = Door(settings, service, serving_state, inner)
+    door = app
     if api_keys is not None:
         from encdis.auth import HttpApiKeyMiddleware
 
-        app.add_middleware(HttpApiKeyMiddleware, keys=api_keys, open_paths={"/health"},
-                           error_body=lambda why: error_body(HttpError(401, why, "AuthenticationError")))
-
-    def error_response(err: HttpError) -> JSONResponse:
-        headers = {"Retry-After": RETRY_AFTER_SECONDS} if err.status in (429, 503) else None
-        return JSONResponse(error_body(err), status_code=err.status, headers=headers)
-
-    @app.get("/health")
-    async def health() -> Any:
-        ok, why = serving_state()
-        return JSONResponse({"status": "ok"} if ok else {"status": why}, status_code=200 if ok else 503)
-
-    @app.get("/v1/models")
-    async def models() -> Any:
-        from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
-
-        card = ModelCard(id=front.model_name, root=settings.model, max_model_len=settings.max_model_len,
-                         owned_by="encdis")
-        return JSONResponse(ModelList(data=[card]).model_dump())
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Any:
-        slot = None
-        streaming = False
-        try:
-            if service.draining:
-                raise Unavailable("the LLM node is draining; send the request to another node")
-            slot = service.admission.take()  # before the body is read: a full node reads nothing
-            req, gen = await front.parse(await front.read_body(request), slot)
-            # The caller's W3C trace context: the request's span joins its trace.
-            gen = dataclasses.replace(gen, trace_context={k: request.headers[k] for k in TRACE_KEYS
-                                                          if k in request.headers})
-            if not req.stream:
-                return JSONResponse(await front.complete(req, gen))
-            steps = aiter(service.generate(gen))
-            # Take the first step before answering, so a bad image or a busy node is a status code.
-            first = await anext(steps)
-            streaming = True  # the stream's end releases the slot (the generation's own end)
-            return StreamingResponse(front.stream(req, gen, steps, first), media_type="text/event-stream")
-        except Exception as e:
-            return error_response(_error_for(e))
-        finally:
-            if slot is not None and not streaming:
-                slot.release()
-
+        app = HttpApiKeyMiddleware(app, keys=api_keys, open_paths={"/health"},
+                                   error_body=lambda why: error_body(HttpError(401, why, "AuthenticationError")))
+        app.media = door.media
     return app
 
 
@@ -333,13 +305,13 @@ class HttpFront:
 
         ssl_options = uvicorn_options(tls) if tls is not None else {}
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
-                                **ssl_options)
+                                lifespan="off", **ssl_options)
         self.server = uvicorn.Server(config)
         # uvicorn would take SIGTERM/SIGINT for itself; the node's drain handles them.
         self.server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
         self.host = host
         self.port = port
-        self.media = getattr(getattr(app, "state", None), "media", None)
+        self.media = getattr(app, "media", None)
         self._task: asyncio.Task | None = None
 
     async def start(self) -> int:

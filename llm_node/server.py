@@ -82,6 +82,17 @@ def run_node(settings: LLMSettings) -> int:
         reaper.close()
 
 
+class VllmMetrics:
+    """vLLM's own vllm:* metrics (its process-wide registry), exported beside encdis's on the metrics port."""
+
+    def collect(self):
+        from prometheus_client import REGISTRY
+
+        for family in REGISTRY.collect():
+            if family.name.startswith("vllm:"):
+                yield family
+
+
 @dataclass(frozen=True)
 class Exposure:
     """The node's TLS, API keys and encoder channel security, read from the files the settings name."""
@@ -127,7 +138,13 @@ async def _serve(settings: LLMSettings, engine: EngineHost, exposure: Exposure) 
     service = GenerationService(settings, engine, coordinator, PromptRenderer(settings.model), metrics)
     if engine.region is not None:
         metrics.watch_region(engine.region)
-    servicer = GenerateServicer(settings, service, coordinator)
+    from encdis.llm_node.openai_layer import build_vllm_app
+    from encdis.llm_node.timed_engine import TimedEngine
+
+    # vLLM's OpenAI serving layer on the engine: the HTTP door's handlers and the gRPC door's full form.
+    vllm_app = await build_vllm_app(TimedEngine(engine.llm, metrics), settings)
+    registry.register(VllmMetrics())
+    servicer = GenerateServicer(settings, service, coordinator, chat=vllm_app.state.openai_serving_chat)
 
     server = grpc.aio.server(interceptors=[*auth_interceptors(exposure.api_keys), serving.ErrorMappingInterceptor()],
                              options=server_options(settings),
@@ -151,8 +168,8 @@ async def _serve(settings: LLMSettings, engine: EngineHost, exposure: Exposure) 
                 return False, "no encoder is serving"
             return True, "ok"
 
-        http_server = HttpFront(build_app(settings, service, serving_state, exposure.api_keys), settings.host,
-                                settings.http_port, tls=exposure.tls)
+        http_server = HttpFront(build_app(settings, service, serving_state, exposure.api_keys, vllm_app),
+                                settings.host, settings.http_port, tls=exposure.tls)
         http_port = await http_server.start()
 
     async def drain() -> None:

@@ -55,6 +55,17 @@ class LLMSettings:
     max_image_bytes: int = 32 * 1024 * 1024
     http_port: int = -1  # OpenAI-compatible HTTP front door; -1 disables, 0 binds an ephemeral port
     served_model_name: str = ""  # "" : the --model argument as given, as vLLM names it
+    # `vllm serve`'s flags that shape the OpenAI surface, with the same names and meaning.
+    chat_template: str = ""  # "": the checkpoint's
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str = ""
+    max_logprobs: int | None = None  # None: vLLM's default
+    generation_config: str = "auto"  # "auto": the checkpoint's generation_config.json; "vllm": vLLM's defaults
+    override_generation_config: str = ""  # JSON object
+    structured_outputs_config: str = ""  # JSON object
+    # Request bodies: one request's limit (0: room for its images), and all bodies being read at once.
+    max_body_bytes: int = 0
+    body_budget_bytes: int = 0  # 0: an eighth of the machine's memory
     allowed_media_domains: tuple[str, ...] = ()  # hosts image URLs may be fetched from (none: data: URIs only)
     media_timeout_seconds: float = 10.0
     # Admission control: beyond these, requests get RESOURCE_EXHAUSTED (HTTP 429), never OOM.
@@ -76,6 +87,20 @@ class LLMSettings:
     coordinator: CoordinatorSettings = field(default_factory=lambda: CoordinatorSettings(encoder_datatype="auto"))
 
     @property
+    def http_body_bytes(self) -> int:
+        """One HTTP request body's limit: its base64 images (4/3 of their bytes) and the JSON around them."""
+        return self.max_body_bytes or self.max_images_per_request * self.max_image_bytes * 4 // 3 + REQUEST_ROOM_BYTES
+
+    @property
+    def http_body_budget(self) -> int:
+        """The bytes all HTTP bodies being read at once may hold."""
+        if self.body_budget_bytes:
+            return self.body_budget_bytes
+        import os
+
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8
+
+    @property
     def grpc_concurrent_rpcs(self) -> int:
         """The gRPC port's cap on calls in progress (beyond it gRPC answers RESOURCE_EXHAUSTED)."""
         return self.max_concurrent_rpcs or self.max_concurrent_requests + RPC_HEADROOM
@@ -94,6 +119,9 @@ class LLMSettings:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.handoff not in HANDOFFS:
             raise ValueError(f"--handoff must be one of {HANDOFFS}, got {self.handoff!r}")
+        if self.handoff == "embeds" and self.http_port >= 0:
+            raise ValueError("--http-port needs --handoff region: vLLM's OpenAI handlers take an image as its digest "
+                             "and grid, with the rows in the shared region")
         if self.mm_tensor_ipc not in MM_TENSOR_IPC:
             raise ValueError(f"--mm-tensor-ipc must be one of {MM_TENSOR_IPC}, got {self.mm_tensor_ipc!r}")
         if self.mm_processor_cache_gb < 0:
@@ -106,6 +134,8 @@ class LLMSettings:
             raise ValueError("--max-concurrent-rpcs and --max-request-message-bytes must be >= 0 (0: derived)")
         if self.max_request_message_bytes > GRPC_MAX_MESSAGE_BYTES:
             raise ValueError(f"--max-request-message-bytes must be at most {GRPC_MAX_MESSAGE_BYTES} (gRPC's limit)")
+        if self.max_body_bytes < 0 or self.body_budget_bytes < 0:
+            raise ValueError("--max-body-bytes and --body-budget-bytes must be >= 0 (0: derived)")
         if self.media_timeout_seconds <= 0:
             raise ValueError(f"--media-timeout-seconds must be positive, got {self.media_timeout_seconds}")
 
@@ -131,6 +161,18 @@ _HELP = {
     "max_image_bytes": "largest encoded image accepted",
     "http_port": "OpenAI-compatible HTTP port (/v1/chat/completions, /v1/models, /health); -1 disables, 0 ephemeral",
     "served_model_name": "model name in the OpenAI API (empty: the --model argument)",
+    "chat_template": "as vllm serve's --chat-template (empty: the checkpoint's)",
+    "enable_auto_tool_choice": "as vllm serve's --enable-auto-tool-choice (needs --tool-call-parser)",
+    "tool_call_parser": "as vllm serve's --tool-call-parser",
+    "max_logprobs": "as vllm serve's --max-logprobs (empty: vLLM's default)",
+    "generation_config": "as vllm serve's --generation-config: auto (the checkpoint's sampling defaults), vllm, "
+                         "or a folder",
+    "override_generation_config": "as vllm serve's --override-generation-config (a JSON object)",
+    "structured_outputs_config": "as vllm serve's --structured-outputs-config (a JSON object)",
+    "max_body_bytes": "largest HTTP request body (413 as soon as a body passes it); 0: room for "
+                      "--max-images-per-request images of --max-image-bytes in base64",
+    "body_budget_bytes": "HTTP request bodies being read at once, all together; a body that does not fit gets "
+                         "429 before it is read (0: an eighth of the machine's memory)",
     "allowed_media_domains": "comma-separated hosts image URLs may be fetched from (empty: data: URIs only)",
     "media_timeout_seconds": "time limit of fetching one image URL",
     "max_concurrent_requests": "requests served at once; more get RESOURCE_EXHAUSTED (HTTP 429)",

@@ -12,13 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,14 +20,12 @@ import httpx
 import pytest
 
 from encdis.launcher import NodeProcess
-from encdis.llm_node.reference import installed_versions
 from tests import encoder_images as images
+from tests.vllm_serve import reference_key, vllm_serve
 
 pytestmark = pytest.mark.vllm
 
 MAX_TOKENS = 12
-SERVE_ARGS = ["--dtype", "float32", "--max-model-len", "4096", "--max-num-seqs", "16", "--seed", "0",
-              "--enforce-eager", "--limit-mm-per-prompt", '{"image": 16, "video": 0}']
 
 
 def image_part(data: bytes, mime: str) -> dict:
@@ -68,33 +60,8 @@ def body(messages: list[dict], model: str, **extra) -> dict:
     return {"model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(base: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"vllm serve not healthy after {timeout}s:\n{log.read_text()[-4000:]}")
-
-
-def reference_key(ckpt: Path, requests: dict[str, list[dict]]) -> str:
-    h = hashlib.sha256(b"encdis vllm-serve reference v1\0")
-    h.update(json.dumps(installed_versions(), sort_keys=True).encode())
-    for f in sorted(p for p in ckpt.rglob("*") if p.is_file()):
-        h.update(f.relative_to(ckpt).as_posix().encode() + hashlib.sha256(f.read_bytes()).digest())
-    h.update(json.dumps([SERVE_ARGS, MAX_TOKENS, requests], sort_keys=True).encode())
-    return h.hexdigest()
+def answers_key(ckpt: Path, requests: dict[str, list[dict]]) -> str:
+    return reference_key(ckpt, MAX_TOKENS, requests)
 
 
 @pytest.fixture(scope="module")
@@ -103,30 +70,17 @@ def vllm_serve_answers(request: pytest.FixtureRequest, tiny_ckpt: Path,
     """Each case's text from monolithic `vllm serve` (tower loaded), one request at a time."""
     requests = cases()
     cache = getattr(request.config, "cache", None)
-    key = f"encdis/vllm-serve/{reference_key(tiny_ckpt, requests)}"
+    key = f"encdis/vllm-serve/{answers_key(tiny_ckpt, requests)}"
     cached = cache.get(key, None) if cache is not None else None
     if cached is not None:
         return cached
-    port = free_port()
     log = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_ckpt),
-             "--host", "127.0.0.1", "--port", str(port), *SERVE_ARGS],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            start_new_session=True,
-        )
-    try:
-        base = f"http://127.0.0.1:{port}"
-        wait_healthy(base, proc, log, timeout=600)
+    with vllm_serve(tiny_ckpt, log) as base:
         answers = {}
         for name, messages in requests.items():
             r = httpx.post(f"{base}/v1/chat/completions", json=body(messages, str(tiny_ckpt)), timeout=300)
             assert r.status_code == 200, (name, r.text)
             answers[name] = r.json()["choices"][0]["message"]["content"]
-    finally:
-        os.killpg(proc.pid, 9)
-        proc.wait()
     if cache is not None:
         cache.set(key, answers)
     return answers
@@ -215,20 +169,21 @@ BAD = {
                           400, "image 1: URL host 'images.example' is not in --allowed-media-domains"),
     "too_many_images": ({"messages": [user(*[image_part(images.smallest(), "image/png")] * 17, "hi")]},
                         400, "17 images in one request; the limit is 16"),
-    "n_2": ({"messages": [user("hi")], "n": 2}, 400, "n=2 is not supported"),
+    "media_io_kwargs": ({"messages": [user("hi")], "media_io_kwargs": {"image": {}}}, 400, "media_io_kwargs: "),
+    "audio_part": ({"messages": [user({"type": "audio_url", "audio_url": {"url": TEXT_DATA_URI}}, "hi")]}, 400,
+                   "messages[0].content[0]: part type 'audio_url' is not supported"),
+    "unknown_model": ({"messages": [user("hi")], "model": "not-this-one"}, 404, "not-this-one"),
     "corrupt_image": ({"messages": [user({"type": "image_url", "image_url": {
         "url": "data:image/png;base64," + base64.b64encode(b"\x89PNG not really").decode()}}, "hi")]},
         400, "image 0: "),
-    "prompt_too_long": ({"messages": [user("word " * 20000)]}, 400, "the context length is"),
+    "prompt_too_long": ({"messages": [user("word " * 20000)]}, 400, "maximum context length is 4096"),
 }
-# Refused by the node's checks before encoding (the generation's own): counted among the node's
-# requests; the others are refused by the door before a generation starts.
-COUNTED = {"corrupt_image", "prompt_too_long"}
+CODES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND"}
 
 
-def invalid_requests(node: NodeProcess) -> float:
+def refused_requests(node: NodeProcess, status: int) -> float:
     try:
-        return node.metric('encdis_requests_total{code="INVALID_ARGUMENT"}')
+        return node.metric(f'encdis_requests_total{{code="{CODES[status]}"}}')
     except AssertionError:  # none yet: the sample is not exported
         return 0.0
 
@@ -238,7 +193,7 @@ def test_bad_requests_get_the_openai_error_object_and_the_node_keeps_serving(nam
                                                                              llm_node) -> None:
     payload, status, message = BAD[name]
     url = f"{http_base}/v1/chat/completions"
-    counted = invalid_requests(llm_node)
+    counted = refused_requests(llm_node, status)
     if isinstance(payload, bytes):
         r = httpx.post(url, content=payload, headers={"content-type": "application/json"}, timeout=60)
     else:
@@ -246,7 +201,7 @@ def test_bad_requests_get_the_openai_error_object_and_the_node_keeps_serving(nam
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert message in err["message"] and err["code"] == status and err["type"]
-    assert invalid_requests(llm_node) == counted + (name in COUNTED)
+    assert refused_requests(llm_node, status) == counted + 1  # every answered request is counted by its status
     ok = ours(http_base, cases()["text_only"], model_name)
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]
 

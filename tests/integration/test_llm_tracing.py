@@ -4,7 +4,9 @@ one real (traced) encoder node, and a FakeEngine in vLLM's place.
 
 A fake engine, because what is checked at that boundary is what the node hands vLLM: the
 request's W3C context as `trace_headers`, which vLLM reads for its own request span (that
-vLLM then joins the trace is tests/e2e/test_tracing.py, with the real engine).
+vLLM then joins the trace is tests/e2e/test_tracing.py, with the real engine). Through the HTTP
+door the boundary is vLLM's serving app, which reads the request's `traceparent` header; a fake
+app stands in for it here and records the headers it is handed.
 """
 
 from __future__ import annotations
@@ -38,10 +40,34 @@ class FakeEngine:
 
     def __init__(self) -> None:
         self.trace_headers: list[dict | None] = []
+        self.handoff = FakeHandoff()
 
     async def generate(self, prompt, sampling, *, images=(), request_id=None, trace_headers=None):
         self.trace_headers.append(dict(trace_headers) if trace_headers else None)
         yield GenerationDelta(text="x", token_ids=[7], finished=True, finish_reason="length", prompt_tokens=3)
+
+
+class FakeHandoff:
+    """Stands in for the shared region: holds nothing."""
+
+    async def mm_data(self, images):
+        return {}, {}
+
+    def done(self, images) -> None:
+        pass
+
+
+class FakeVllmApp:
+    """Stands in for vLLM's OpenAI serving app: records the headers of each request and answers 200."""
+
+    def __init__(self) -> None:
+        self.headers: list[dict[str, str]] = []
+
+    async def __call__(self, scope, receive, send) -> None:
+        await receive()
+        self.headers.append({k.decode(): v.decode() for k, v in scope["headers"]})
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"{}"})
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +162,8 @@ async def test_the_openai_door_honours_a_callers_traceparent(encoder, receiver, 
             await wait_for(lambda: len(coord.pool.serving()) == 1, what="the encoder serving")
             service = GenerationService(settings, engine, coord, PromptRenderer(str(tiny_ckpt)),
                                         LLMNodeMetrics(CollectorRegistry()))
-            http = HttpFront(build_app(settings, service, lambda: True), "127.0.0.1", 0)
+            vllm_app = FakeVllmApp()
+            http = HttpFront(build_app(settings, service, lambda: True, inner=vllm_app), "127.0.0.1", 0)
             port = await http.start()
             try:
                 async with aiohttp.ClientSession() as session:
@@ -151,5 +178,5 @@ async def test_the_openai_door_honours_a_callers_traceparent(encoder, receiver, 
                                                 for s in spans), timeout=60)
     [generate] = [s for s in spans if s.trace_id == trace_id and s.name == "encdis.generate"]
     assert generate.parent_span_id == parent_id
-    [headers] = engine.trace_headers
+    [headers] = vllm_app.headers
     assert headers["traceparent"] == f"00-{trace_id}-{generate.span_id}-01"
