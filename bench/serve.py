@@ -166,6 +166,7 @@ from serve_systems import (  # noqa: E402
     cpu_list,
     cpu_seconds,
     parse_cpus,
+    source_tree_env,
     stage_means_ms,
     stage_sums,
     start_encdis,
@@ -309,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--startup-timeout", type=float, default=900)
     p.add_argument("--log-dir", type=Path, default=None, help="node logs and vLLM's result files (default: temp)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--baseline-src", type=Path, default=None,
+                   help="another encdis source tree (e.g. a worktree of an earlier commit): adds system (d) "
+                        "encdis-before, set up as (b), and the ratios of (b) to it")
     p.add_argument("--clients", default="vllm",
                    help="benchmark clients run on every system, comma-separated from vllm,guidellm,aiperf "
                         "(vllm always runs; the others need scripts/setup_bench_clients.sh)")
@@ -350,6 +354,11 @@ def main(argv: list[str] | None = None) -> int:
         (extra_name, lambda s: start_encdis(s, model, s_cpus, extra, args.encoders, log_dir, timeout),
          {"llm": s_cpus, "encoders": extra}),
     ]
+    if args.baseline_src is not None:
+        before_env = source_tree_env(args.baseline_src, log_dir / "baseline-src")
+        plans.append(("encdis-before", lambda s: start_encdis(s, model, s_cpus, s_cpus, args.encoders, log_dir,
+                                                             timeout, extra_env=before_env),
+                      {"llm": s_cpus, "encoders": s_cpus}))
     running: list[System] = []
     try:
         for name, start, cpus in plans:
@@ -378,6 +387,12 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print("every client on every system (ratio to vllm with the same client; TPOT = GuideLLM's and aiperf's ITL):")
         print(clients_text(systems, args.concurrency, args.clients))
+    if args.baseline_src is not None:
+        print()
+        print("encdis over encdis-before (the same system from --baseline-src), same runs:")
+        for c in args.concurrency:
+            now, before = systems["encdis"]["by_concurrency"][c], systems["encdis-before"]["by_concurrency"][c]
+            print(f"  c={c}: " + ", ".join(f"{k} {ratio(now[k], before[k]):.3f}x" for k, _ in COLUMNS))
     ratios = {name: {c: {k: ratio(s["by_concurrency"][c][k], systems["vllm"]["by_concurrency"][c][k])
                          for k, _ in COLUMNS} for c in args.concurrency} for name, s in systems.items()}
     result = {

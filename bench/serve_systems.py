@@ -164,9 +164,24 @@ def start_vllm(system: System, model: str, cpus: list[int], log_dir: Path, timeo
     wait_http(f"{system.base_url}/health", proc, timeout, log_path)
 
 
+def source_tree_env(tree: Path, shim: Path) -> dict[str, str]:
+    """PYTHONPATH under which `python -m encdis...` runs the encdis of another source tree (a worktree of an
+    earlier commit): `shim/encdis` lays the repository's flat folders out as the installed package."""
+    package = shim / "encdis"
+    package.mkdir(parents=True, exist_ok=True)
+    for f in (tree / "encdis").iterdir():
+        if not (package / f.name).exists():
+            (package / f.name).symlink_to(f.resolve())
+    for sub in ("client", "encoder_node", "llm_node"):
+        if not (package / sub).exists():
+            (package / sub).symlink_to((tree / sub).resolve())
+    return {"PYTHONPATH": str(shim)}
+
+
 def start_encdis(system: System, model: str, llm_cpus: list[int], encoder_cpus: list[int], encoders: int,
-                 log_dir: Path, timeout: float) -> None:
-    enc_env = {**OFFLINE_ENV, **thread_env(encoder_cpus)}
+                 log_dir: Path, timeout: float, extra_env: dict[str, str] | None = None) -> None:
+    """`extra_env`: more environment for every node (source_tree_env: another tree's encdis)."""
+    enc_env = {**OFFLINE_ENV, **thread_env(encoder_cpus), **(extra_env or {})}
     nodes: list[NodeProcess] = []
     with pinned(encoder_cpus):
         for i in range(encoders):
@@ -177,7 +192,8 @@ def start_encdis(system: System, model: str, llm_cpus: list[int], encoder_cpus: 
             system.stops.append(node.stop)
     for node in nodes:
         node.wait_ready(timeout)
-    llm_env = {**OFFLINE_ENV, **thread_env(llm_cpus), "VLLM_CPU_OMP_THREADS_BIND": cpu_list(llm_cpus)}
+    llm_env = {**OFFLINE_ENV, **thread_env(llm_cpus), "VLLM_CPU_OMP_THREADS_BIND": cpu_list(llm_cpus),
+               **(extra_env or {})}
     with pinned(llm_cpus):
         llm = NodeProcess(["llm", "--model", model, "--host", "127.0.0.1", "--port", "0", "--http-port", "0",
                            "--metrics-port", "0", "--max-num-seqs", str(MAX_NUM_SEQS),

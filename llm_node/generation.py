@@ -25,7 +25,7 @@ from encdis.client.errors import InvalidArgument, ResourceExhausted, Unavailable
 from encdis.llm_node.admission import Admission, Slot
 from encdis.llm_node.coordinator import Coordinator, ImageEmbedding
 from encdis.llm_node.engine import EngineHost, SamplingSpec
-from encdis.llm_node.media_parts import ImagePart, replace_images
+from encdis.llm_node.media_parts import ImagePart, message_text, replace_images
 from encdis.llm_node.metrics import LLMNodeMetrics
 from encdis.llm_node.prompt import PromptRenderer
 from encdis.llm_node.settings import LLMSettings
@@ -187,6 +187,10 @@ class GenerationService:
         and grid: encoded by the pool and held in the shared region for the request (`door.held`,
         released by the caller), or, without `encode`, only its grid read (counting tokens)."""
         grids, digests = await asyncio.to_thread(self.image_grids_and_digests, images)
+        # Before any encoding: a lower bound of the prompt's tokens from its text's bytes, with the images'.
+        expansion = sum(self.coordinator.grid_tokens(g) for g in grids)
+        self._fit_to_context(self.renderer.min_tokens(message_text(messages)) + expansion,
+                             SamplingSpec(max_tokens=None), at_least=True)
         if encode:
             encoded = await self.encode_images(images, grids, digests, slot, deadline=deadline, span=span)
             door.split = encoded.split

@@ -77,3 +77,15 @@ def replace_images(messages: list[dict[str, Any]], parts: Sequence[ImagePart],
     for part, grid, digest in zip(parts, grids, digests, strict=True):
         messages[part.message]["content"][part.part] = {
             "type": "image_embeds", "image_embeds": {"image_grid_thw": [int(x) for x in grid]}, "uuid": digest}
+
+
+def message_text(messages: list[dict[str, Any]]) -> str:
+    """All the text of `messages` (string contents and text parts), for a bound on its tokens."""
+    pieces: list[str] = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            pieces.append(content)
+        elif isinstance(content, list):
+            pieces += [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    return "".join(pieces)

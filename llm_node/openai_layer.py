@@ -16,7 +16,6 @@ they answer an OpenAI error object (404), as an unknown route does.
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -105,6 +104,3 @@ def not_found_handler(app: FastAPI) -> None:
         return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": exc.status_code}},
                             status_code=exc.status_code)
 
-
-def dumps(body: Any) -> bytes:
-    return json.dumps(body, separators=(",", ":")).encode()

@@ -177,6 +177,9 @@ BAD = {
         "url": "data:image/png;base64," + base64.b64encode(b"\x89PNG not really").decode()}}, "hi")]},
         400, "image 0: "),
     "prompt_too_long": ({"messages": [user("word " * 20000)]}, 400, "maximum context length is 4096"),
+    # With an image, refused by the prompt's bytes before the image is encoded.
+    "prompt_too_long_with_image": ({"messages": [user(image_part(images.smallest(), "image/png"), "word " * 20000)]},
+                                   400, "tokens with its images; the context length is 4096"),
 }
 CODES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND"}
 
@@ -212,3 +215,27 @@ def test_models_and_health(http_base, model_name, tiny_ckpt) -> None:
     assert model_name == str(tiny_ckpt)  # as vLLM names it: the --model argument
     health = httpx.get(f"{http_base}/health", timeout=10)
     assert health.status_code == 200
+
+
+def test_vllm_serves_other_routes_and_unknown_ones_get_an_openai_error(http_base, model_name) -> None:
+    import vllm
+
+    assert httpx.get(f"{http_base}/version", timeout=10).json() == {"version": vllm.__version__}
+    tokens = httpx.post(f"{http_base}/tokenize", json={"model": model_name, "prompt": "hello"}, timeout=30).json()
+    text = httpx.post(f"{http_base}/detokenize", json={"model": model_name, "tokens": tokens["tokens"]},
+                      timeout=30).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0 and text["prompt"] == "hello"
+    completion = httpx.post(f"{http_base}/v1/completions", timeout=60, json={
+        "model": model_name, "prompt": "Once", "max_tokens": 3, "temperature": 0}).json()
+    assert completion["object"] == "text_completion" and completion["usage"]["completion_tokens"] == 3
+    # Routes of `vllm serve` the door does not serve (they would take media past it): OpenAI's error object.
+    for method, path in (("POST", "/v1/responses"), ("POST", "/v1/messages"), ("GET", "/v1/nothing")):
+        r = httpx.request(method, f"{http_base}{path}", json={"model": model_name}, timeout=10)
+        assert r.status_code == 404 and r.json()["error"]["code"] == 404, (path, r.text)
+
+
+def test_vllms_own_metrics_are_on_the_metrics_port(llm_node) -> None:
+    text = httpx.get(f"http://127.0.0.1:{llm_node.info['metrics_port']}/metrics", timeout=10).text
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    assert {"vllm:num_requests_running", "vllm:prompt_tokens_total"} <= names, sorted(names)[:20]
+    assert any(n.startswith("encdis_") for n in names)
