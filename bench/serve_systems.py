@@ -175,7 +175,9 @@ def source_tree_env(tree: Path, shim: Path) -> dict[str, str]:
     for sub in ("client", "encoder_node", "llm_node"):
         if not (package / sub).exists():
             (package / sub).symlink_to((tree / sub).resolve())
-    return {"PYTHONPATH": str(shim)}
+    # PYTHONSAFEPATH: `python -m` puts no working directory first on sys.path, where this repository's
+    # own encdis/ would be found before the shim.
+    return {"PYTHONPATH": str(shim), "PYTHONSAFEPATH": "1"}
 
 
 def start_encdis(system: System, model: str, llm_cpus: list[int], encoder_cpus: list[int], encoders: int,
