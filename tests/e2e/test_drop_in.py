@@ -69,6 +69,10 @@ def chat(messages: list[dict] | None = None, **fields: Any) -> tuple[str, dict]:
     return "/v1/chat/completions", {"messages": messages or TEXT, "max_tokens": MAX_TOKENS, **fields}
 
 
+# The checkpoint's defaults keep one candidate token (top_k 1, top_p 0.001): sampled cases lift them.
+UNRESTRICTED = {"top_k": -1, "top_p": 1.0}
+
+
 def cases() -> dict[str, tuple[str, dict]]:
     """name -> (path, body without "model"): the raw requests both servers get."""
     bias = {"logit_bias": {str(BIASED): 100}}
@@ -80,15 +84,15 @@ def cases() -> dict[str, tuple[str, dict]]:
         "presence_penalty": chat(temperature=0, presence_penalty=2.0, repetition_penalty=1.0, **TWO_BIASED),
         "frequency_penalty": chat(temperature=0, frequency_penalty=2.0, repetition_penalty=1.0, **TWO_BIASED),
         "repetition_penalty": chat(temperature=0, repetition_penalty=1.5, **TWO_BIASED),
-        "min_p": chat(temperature=1.0, seed=3, min_p=0.3),
+        "min_p": chat(temperature=1.0, seed=3, min_p=0.3, **UNRESTRICTED),
         "logit_bias": chat(temperature=0, **bias),
         "stop_token_ids": chat(temperature=0, stop_token_ids=[BIASED], **bias),
         "min_tokens": chat(temperature=0, stop_token_ids=[BIASED], min_tokens=6, **bias),
         "json_object": chat(temperature=0, response_format={"type": "json_object"}),
         "json_schema": chat(temperature=0, response_format={"type": "json_schema", "json_schema": {
             "name": "person", "schema": SCHEMA}}),
-        "n2_seeded": chat(temperature=1.0, n=2, seed=11),
-        "seeded": chat(temperature=0.9, seed=5),
+        "n2_seeded": chat(temperature=1.0, n=2, seed=11, **UNRESTRICTED),
+        "seeded": chat(temperature=0.9, seed=5, **UNRESTRICTED),
         "named_tool": chat(temperature=0, tools=[WEATHER_TOOL],
                            tool_choice={"type": "function", "function": {"name": "get_weather"}}),
         "image": chat(with_image(), temperature=0, logprobs=True, top_logprobs=2),
@@ -133,11 +137,13 @@ def send(base: str, model: str, path: str, body: dict) -> dict:
     return {"status": r.status_code, "json": r.json()}
 
 
-VARYING = {"id", "created", "system_fingerprint"}
+# What differs on every call (ids, timestamps), and the model's name: the checkpoint's temporary path,
+# which differs between the run that cached the reference and this one (the cache key holds its files).
+VARYING = {"id", "created", "system_fingerprint", "model"}
 
 
 def normalised(value: Any) -> Any:
-    """`value` without what differs on every call (ids, timestamps)."""
+    """`value` without what differs on every call (VARYING)."""
     if isinstance(value, dict):
         return {k: normalised(v) for k, v in value.items() if k not in VARYING}
     if isinstance(value, list):
@@ -225,8 +231,9 @@ def test_the_cases_exercise_what_they_name(vllm_serve_answers) -> None:
     assert vllm_serve_answers["stop_token_ids"]["json"]["usage"]["completion_tokens"] == 1
     assert vllm_serve_answers["min_tokens"]["json"]["usage"]["completion_tokens"] >= 6
     assert len(vllm_serve_answers["logprobs"]["json"]["choices"][0]["logprobs"]["content"]) == MAX_TOKENS
-    call = vllm_serve_answers["named_tool"]["json"]["choices"][0]["message"]["tool_calls"][0]
-    assert call["function"]["name"] == "get_weather"
+    # The named tool's call, cut short by max_tokens on this random model: begun in Hermes' format.
+    message = vllm_serve_answers["named_tool"]["json"]["choices"][0]["message"]
+    assert message.get("tool_calls") or message["content"].startswith("<tool_call>"), message
 
 
 @pytest.mark.parametrize("streamed, whole", [("stream_logprobs", "logprobs"), ("stream_image", "image")])
