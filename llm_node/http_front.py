@@ -51,8 +51,9 @@ BODY_PATHS = CHAT_PATHS | {"/v1/completions", "/detokenize"}
 INLINE_BODY_BYTES = 64 * 1024
 # A body's bytes are held at most twice while it is parsed (its text, then the objects made of it).
 PARSE_PEAK = 2
-STATUS_CODES = {200: "OK", 400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND",
-                413: "RESOURCE_EXHAUSTED", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
+CLIENT_CLOSED = 499  # the client went away before its answer began (nginx's number for it)
+STATUS_CODES = {CLIENT_CLOSED: "CANCELLED", 200: "OK", 400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED",
+                404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
 
 
 class HttpError(Exception):
@@ -145,10 +146,10 @@ class Door:
         from opentelemetry.trace import SpanKind
 
         service = self.service
-        caller = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         span = service.tracing.tracer.start_span(
-            "encdis.generate", kind=SpanKind.SERVER,
-            context=context_from_metadata({k: v for k, v in caller.items() if k in TRACE_KEYS}))
+            "encdis.generate", kind=SpanKind.SERVER, context=context_from_metadata(
+                {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]
+                 if k.decode("latin-1") in TRACE_KEYS}))
         door = DoorRequest()
         with service.tracked():
             slot: Slot | None = None
@@ -170,6 +171,9 @@ class Door:
                     await self.inner({**scope, "headers": headers}, _replay(body, receive), send_status)
                 finally:
                     CURRENT.reset(token)
+            except asyncio.CancelledError:
+                status[0] = CLIENT_CLOSED
+                raise
             except Exception as e:
                 err = _error_for(e)
                 status[0] = err.status
