@@ -62,7 +62,10 @@ def test_last_message_reports_usage_and_time_split(llm_node):
     t = last.timing
     assert t.total > 0 and t.prefill > 0
     assert t.preprocess > 0  # the encoders decoded and preprocessed three images
-    assert t.queue + t.preprocess + t.encode + t.transfer + t.prefill + t.decode <= t.total + 1e-3
+    # The coordinator's parts are each measured on its own, over calls that overlap (the image queued
+    # longest need not be the one with the longest forward): each lies within the encode span, which
+    # comes before prefill and decode, but they need not add up.
+    assert max(t.queue + t.preprocess, t.encode, t.transfer) + t.prefill + t.decode <= t.total + 1e-3
 
 
 async def test_eight_concurrent_requests_equal_monolithic(monolithic, llm_node, equality_cases):
