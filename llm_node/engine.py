@@ -161,7 +161,7 @@ def engine_kwargs(settings: LLMSettings, *, tower: bool, max_images: int = 16,
         worker_extension_cls=PROBE_CLS,
         # vLLM's own statistics, as `vllm serve` keeps them: its vllm:* metrics beside encdis's, and
         # the per-request stats its request spans are built from.
-        disable_log_stats=False,
+        disable_log_stats=settings.disable_log_stats and not settings.otlp_traces_endpoint,
         # The engine side of `vllm serve`'s OpenAI-surface flags (sampling defaults, logprobs, ...).
         **engine_surface_kwargs(settings),
     )

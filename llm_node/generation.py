@@ -182,11 +182,13 @@ class GenerationService:
 
     async def embed_parts(self, messages: list[dict[str, Any]], parts: Sequence[ImagePart], images: list[bytes],
                           slot: Slot, door: DoorRequest, *, span: Span | None = None,
-                          deadline: float | None = None, encode: bool = True) -> None:
+                          deadline: float | None = None, encode: bool = True,
+                          probe: tuple[list[tuple[int, int, int]], list[str]] | None = None) -> None:
         """Each image part of `messages` (chat messages in vLLM's form) replaced by its embedding's digest
         and grid: encoded by the pool and held in the shared region for the request (`door.held`,
-        released by the caller), or, without `encode`, only its grid read (counting tokens)."""
-        grids, digests = await asyncio.to_thread(self.image_grids_and_digests, images)
+        released by the caller), or, without `encode`, only its grid read (counting tokens). `probe`: the
+        images' grids and digests (image_grids_and_digests) when the caller has them already."""
+        grids, digests = probe or await asyncio.to_thread(self.image_grids_and_digests, images)
         # Before any encoding: a lower bound of the prompt's tokens from its text's bytes, with the images'.
         expansion = sum(self.coordinator.grid_tokens(g) for g in grids)
         self._fit_to_context(self.renderer.min_tokens(message_text(messages)) + expansion,

@@ -33,7 +33,7 @@ from typing import Any
 from encdis.client.errors import EncdisError, InvalidArgument, ResourceExhausted, Unavailable
 from encdis.llm_node.admission import Slot
 from encdis.llm_node.generation import GenerationService
-from encdis.llm_node.media import MediaLoader
+from encdis.llm_node.media import MediaLoader, decode_data_uri
 from encdis.llm_node.media_parts import ImagePart, image_parts
 from encdis.llm_node.request_fields import refuse_unsupported
 from encdis.llm_node.settings import LLMSettings
@@ -193,26 +193,40 @@ class Door:
                        door: DoorRequest) -> bytes:
         """The body vLLM gets: media parts as embeddings, held for the request (door.held)."""
         raw, reserved = await self._read_body(scope, receive)
-        inline = len(raw) <= INLINE_BODY_BYTES
+        size = len(raw)
         try:
-            body = _parse(raw) if inline else await asyncio.to_thread(_parse, raw)
+            # One worker-thread trip (none for a small body) parses, checks, decodes the data: URIs
+            # and reads the images' grids from their headers.
+            if size <= INLINE_BODY_BYTES:
+                body, parts, images, probe = self._parse_and_probe(raw, scope["path"])
+            else:
+                body, parts, images, probe = await asyncio.to_thread(self._parse_and_probe, raw, scope["path"])
         finally:
             self.budget.give(reserved)
+        if parts:
+            if images is None:  # URLs to fetch
+                images = await self.media.load_all([p.url for p in parts])
+            # Counting tokens needs the grids only: /tokenize's images are never encoded.
+            await self.service.embed_parts(body["messages"], parts, images, slot, door, span=span, probe=probe,
+                                           encode=scope["path"] != "/tokenize")
+            del images
+        left = size - sum(len(p.url) for p in parts)  # what is left of the body without its images
+        return _dumps(body) if left <= INLINE_BODY_BYTES else await asyncio.to_thread(_dumps, body)
+
+    def _parse_and_probe(self, raw: bytearray, path: str) -> tuple[dict[str, Any], list[ImagePart],
+                                                                    list[bytes] | None, Any]:
+        """The body, its image parts, and (when every image is a data: URI) their bytes and grids and
+        digests (GenerationService.image_grids_and_digests). Blocking."""
+        body = _parse(raw)
         refuse_unsupported(body)
-        parts = image_parts(body.get("messages")) if scope["path"] in CHAT_PATHS else []
+        parts = image_parts(body.get("messages")) if path in CHAT_PATHS else []
         if len(parts) > self.settings.max_images_per_request:
             raise InvalidArgument(f"{len(parts)} images in one request; the limit is "
                                   f"{self.settings.max_images_per_request}")
-        if parts:
-            await self._embed(scope["path"], body, parts, slot, span, door)
-        return _dumps(body) if inline else await asyncio.to_thread(_dumps, body)
-
-    async def _embed(self, path: str, body: dict[str, Any], parts: list[ImagePart], slot: Slot, span: Any,
-                     door: DoorRequest) -> None:
-        images = await self.media.load_all([p.url for p in parts])
-        # Counting tokens needs the grids only: /tokenize's images are never encoded.
-        await self.service.embed_parts(body["messages"], parts, images, slot, door, span=span,
-                                       encode=path != "/tokenize")
+        if not parts or any(p.url[:5].lower() != "data:" for p in parts):
+            return body, parts, None, None
+        images = [decode_data_uri(i, p.url, self.settings.max_image_bytes) for i, p in enumerate(parts)]
+        return body, parts, images, self.service.image_grids_and_digests(images)
 
     async def _read_body(self, scope: dict[str, Any], receive: Callable) -> tuple[bytearray, int]:
         """The body and the budget it holds (give it back once parsed): refused (413) as soon as it passes

@@ -63,6 +63,7 @@ class LLMSettings:
     generation_config: str = "auto"  # "auto": the checkpoint's generation_config.json; "vllm": vLLM's defaults
     override_generation_config: str = ""  # JSON object
     structured_outputs_config: str = ""  # JSON object
+    disable_log_stats: bool = False  # vLLM's statistics (its vllm:* metrics) off, as `vllm serve --disable-log-stats`
     # Request bodies: one request's limit (0: room for its images), and all bodies being read at once.
     max_body_bytes: int = 0
     body_budget_bytes: int = 0  # 0: an eighth of the machine's memory
@@ -169,6 +170,8 @@ _HELP = {
                          "or a folder",
     "override_generation_config": "as vllm serve's --override-generation-config (a JSON object)",
     "structured_outputs_config": "as vllm serve's --structured-outputs-config (a JSON object)",
+    "disable_log_stats": "as vllm serve's --disable-log-stats: no vLLM statistics (its vllm:* metrics and its "
+                         "request spans' timings); a little less work per engine step",
     "max_body_bytes": "largest HTTP request body (413 as soon as a body passes it); 0: room for "
                       "--max-images-per-request images of --max-image-bytes in base64",
     "body_budget_bytes": "HTTP request bodies being read at once, all together; a body that does not fit gets "
