@@ -209,7 +209,9 @@ class GenerateClient(SyncClient):
     def generate_stream(self, prompt: str, images: Sequence[bytes] = (), *, timeout: float | None = None,
                         **params) -> Iterator[GenerateChunk]:
         """Stream the completion; keyword params as in `generate_request`."""
-        req = generate_request(prompt, images, **params)
+        yield from self._stream(generate_request(prompt, images, **params), timeout)
+
+    def _stream(self, req: llm_pb2.GenerateRequest, timeout: float | None) -> Iterator[GenerateChunk]:
         try:
             for msg in self._stub.Generate(req, timeout=timeout or self.timeout):
                 yield GenerateChunk.from_proto(msg)
@@ -227,12 +229,7 @@ class GenerateClient(SyncClient):
     def chat_stream(self, messages: Sequence[Mapping[str, Any]], *, timeout: float | None = None,
                     request_id: str = "", **sampling: Any) -> Iterator[GenerateChunk]:
         """Stream the answer to a conversation (see `chat_request` for the messages and sampling)."""
-        req = chat_request(messages, request_id=request_id, **sampling)
-        try:
-            for msg in self._stub.Generate(req, timeout=timeout or self.timeout):
-                yield GenerateChunk.from_proto(msg)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+        yield from self._stream(chat_request(messages, request_id=request_id, **sampling), timeout)
 
     def chat(self, messages: Sequence[Mapping[str, Any]], *, timeout: float | None = None, request_id: str = "",
              **sampling: Any) -> ChatResult:
@@ -256,9 +253,7 @@ class AsyncGenerateClient(AsyncClient):
     def _bind(self) -> None:
         self._stub = llm_pb2_grpc.GenerateServiceStub(self._channel)
 
-    async def generate_stream(self, prompt: str, images: Sequence[bytes] = (), *, timeout: float | None = None,
-                              **params) -> AsyncIterator[GenerateChunk]:
-        req = generate_request(prompt, images, **params)
+    async def _stream(self, req: llm_pb2.GenerateRequest, timeout: float | None) -> AsyncIterator[GenerateChunk]:
         call = self._stub.Generate(req, timeout=timeout or self.timeout)
         try:
             async for msg in call:
@@ -267,6 +262,11 @@ class AsyncGenerateClient(AsyncClient):
             raise from_rpc_error(e) from None
         finally:
             call.cancel()  # no-op when finished; stops the server's work if we stopped reading
+
+    async def generate_stream(self, prompt: str, images: Sequence[bytes] = (), *, timeout: float | None = None,
+                              **params) -> AsyncIterator[GenerateChunk]:
+        async for c in self._stream(generate_request(prompt, images, **params), timeout):
+            yield c
 
     async def generate(self, prompt: str, images: Sequence[bytes] = (), *, timeout: float | None = None,
                        **params) -> GenerateResult:
@@ -277,15 +277,8 @@ class AsyncGenerateClient(AsyncClient):
 
     async def chat_stream(self, messages: Sequence[Mapping[str, Any]], *, timeout: float | None = None,
                           request_id: str = "", **sampling: Any) -> AsyncIterator[GenerateChunk]:
-        call = self._stub.Generate(chat_request(messages, request_id=request_id, **sampling),
-                                   timeout=timeout or self.timeout)
-        try:
-            async for msg in call:
-                yield GenerateChunk.from_proto(msg)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
-        finally:
-            call.cancel()
+        async for c in self._stream(chat_request(messages, request_id=request_id, **sampling), timeout):
+            yield c
 
     async def chat(self, messages: Sequence[Mapping[str, Any]], *, timeout: float | None = None,
                    request_id: str = "", **sampling: Any) -> ChatResult:

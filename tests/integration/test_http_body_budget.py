@@ -5,39 +5,31 @@ test sees what the node answers before a body is sent, and the process's own mem
 node's. A body is counted at twice its bytes (its peak while parsed), so one 200 MiB body fits
 the budget: the other seven get 429 with Retry-After before a byte of theirs is read, and the
 process grows by no more than the budget and a margin while the one admitted is read and parsed.
-Nothing here reaches an engine (NO_ENGINE).
+Nothing here reaches an engine.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import threading
 from pathlib import Path
 
 import psutil
 import pytest
-from prometheus_client import CollectorRegistry
 
-from tests.integration.test_http_limits import answer, open_post
+from tests.integration.test_http_limits import answer, engineless_door, open_post
 from tests.needs import require_module
 
 require_module("fastapi")
 require_module("uvicorn")
 
-from encdis.llm_node.coordinator import Coordinator  # noqa: E402
-from encdis.llm_node.generation import GenerationService  # noqa: E402
-from encdis.llm_node.http_front import PARSE_PEAK, HttpFront, build_app  # noqa: E402
-from encdis.llm_node.metrics import LLMNodeMetrics  # noqa: E402
-from encdis.llm_node.prompt import PromptRenderer  # noqa: E402
-from encdis.llm_node.settings import LLMSettings  # noqa: E402
+from encdis.llm_node.http_front import PARSE_PEAK  # noqa: E402
 
 MIB = 1 << 20
 BODY = 200 * MIB
 BUDGET = 512 * MIB
 BODIES = 8
 MARGIN = 64 * MIB  # the read buffer's growth slack and the interpreter's own churn
-NO_ENGINE = None
 REFUSAL_WAIT_SECONDS = 60  # only a guard against a door that reads before refusing
 
 
@@ -65,15 +57,8 @@ class PeakRss:
 
 @pytest.fixture(scope="module")
 async def door(tiny_ckpt: Path):
-    settings = LLMSettings(model=str(tiny_ckpt), max_body_bytes=256 * MIB, body_budget_bytes=BUDGET,
-                           max_concurrent_requests=BODIES)
-    settings = dataclasses.replace(settings, coordinator=dataclasses.replace(settings.coordinator,
-                                                                             encoder_datatype="FP32"))
-    registry = CollectorRegistry()
-    coordinator = Coordinator.from_checkpoint(settings.coordinator, registry, tiny_ckpt)
-    service = GenerationService(settings, NO_ENGINE, coordinator, PromptRenderer(tiny_ckpt), LLMNodeMetrics(registry))
-    app = build_app(settings, service, lambda: (True, "ok"))
-    front = HttpFront(app, "127.0.0.1", 0)
+    front, _, app = engineless_door(tiny_ckpt, max_body_bytes=256 * MIB, body_budget_bytes=BUDGET,
+                                    max_concurrent_requests=BODIES)
     port = await front.start()
     yield port, app
     await front.stop()

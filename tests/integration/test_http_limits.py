@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -34,16 +35,22 @@ NO_ENGINE = None  # nothing here reaches the engine
 HANG_GUARD_SECONDS = 120
 
 
-@pytest.fixture(scope="module")
-async def door(tiny_ckpt: Path):
-    settings = LLMSettings(model=str(tiny_ckpt), max_image_bytes=MAX_IMAGE_BYTES, max_images_per_request=MAX_IMAGES,
-                           max_concurrent_requests=MAX_CONCURRENT_REQUESTS)
+def engineless_door(tiny_ckpt: Path, **limits) -> tuple[HttpFront, GenerationService, Any]:
+    """The real door and service with `limits` (LLMSettings fields), no engine behind them."""
+    settings = LLMSettings(model=str(tiny_ckpt), **limits)
     settings = dataclasses.replace(settings, coordinator=dataclasses.replace(settings.coordinator,
                                                                              encoder_datatype="FP32"))
     registry = CollectorRegistry()
     coordinator = Coordinator.from_checkpoint(settings.coordinator, registry, tiny_ckpt)
     service = GenerationService(settings, NO_ENGINE, coordinator, PromptRenderer(tiny_ckpt), LLMNodeMetrics(registry))
-    front = HttpFront(build_app(settings, service, lambda: (True, "ok")), "127.0.0.1", 0)
+    app = build_app(settings, service, lambda: (True, "ok"))
+    return HttpFront(app, "127.0.0.1", 0), service, app
+
+
+@pytest.fixture(scope="module")
+async def door(tiny_ckpt: Path):
+    front, service, _ = engineless_door(tiny_ckpt, max_image_bytes=MAX_IMAGE_BYTES, max_images_per_request=MAX_IMAGES,
+                                        max_concurrent_requests=MAX_CONCURRENT_REQUESTS)
     port = await front.start()
     max_body = MAX_IMAGES * MAX_IMAGE_BYTES * 4 // 3 + (1 << 20)  # as the door computes it
     yield port, service, max_body
