@@ -35,7 +35,7 @@ from encdis.client.wire import Allocate, ChunkCopy, Embedding, ExpectedEmbedding
 # Encode's replies are read as the bytes gRPC received (no deserializer): StreamDecoder finds
 # each chunk's data in place instead of protobuf copying it twice.
 ENCODE_METHOD = "/encdis.encoder.v1.EncoderService/Encode"
-# What the asyncio client asks for (bench/transport.py): gRPC turns each message into bytes on
+# What the asyncio client asks for (bench/data_plane/transport.py): gRPC turns each message into bytes on
 # the event loop (about 0.3 ms per MiB), so 1 MiB keeps each of those callbacks short, and moved
 # as much per second as 4 MiB on loopback.
 RECEIVE_CHUNK_BYTES = 1024 * 1024

@@ -45,7 +45,7 @@ class PreparedBuffers:
     otherwise be spent while its bytes arrive; made ahead, its pages are written once (a byte
     each) in the worker thread. Faulted page by page, not mapped with MAP_POPULATE: that holds
     the process's memory map for the whole buffer, and every other thread that allocates waits
-    (bench/receive_lag.py: the main loop stalled up to 330 ms). `sizes`: the bytes of each
+    (bench/data_plane/receive_lag.py: the main loop stalled up to 330 ms). `sizes`: the bytes of each
     embedding the call expects.
     A call for a size takes the first unclaimed buffer of that size: made, or being made (it
     waits: shorter than starting over); not started yet, it is cancelled and made now, so no

@@ -5,7 +5,7 @@ AsyncLLM. Receiving an embedding (gRPC frames, checks, the tensor over its bytes
 proportional to its size: eight 4K-image embeddings of a 72B model are 1.4 GB. On the main
 loop that work delays every other callback; on this thread it competes only for the GIL,
 which Python hands over every switch interval. The node runs with SWITCH_INTERVAL_SECONDS (1 ms,
-Python's default is 5): bench/receive_lag.py measures the three side by side (eight 4K 72B
+Python's default is 5): bench/data_plane/receive_lag.py measures the three side by side (eight 4K 72B
 embeddings at once, p99 lag of the main loop: 23 ms on it, 15 ms here at 5 ms, 7.8 ms at 1 ms).
 
 Everything of the coordinator that touches its channels (start, encode, stop, its health
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 START_TIMEOUT_SECONDS = 30.0
 # The GIL switch interval the LLM node runs with (Python's default is 5 ms): how long the main
-# loop may wait for the GIL while this thread receives (bench/receive_lag.py, "thread+1ms").
+# loop may wait for the GIL while this thread receives (bench/data_plane/receive_lag.py, "thread+1ms").
 SWITCH_INTERVAL_SECONDS = 0.001
 # How long stopping waits for the tasks still running on the thread's loop to end once cancelled.
 STOP_TIMEOUT_SECONDS = 10.0

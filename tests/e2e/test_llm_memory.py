@@ -11,10 +11,10 @@ shared-memory pages on their way to the engine core count once, not once per pro
 
 The margin, from measurement on this 2-core VM (growth of the whole tree, --cache-bytes 16 MiB):
 
-    correct node (vLLM cache 0)       47 MiB  bench/handoff.py --images 100 --hidden 3584 (4 warm-up images)
+    correct node (vLLM cache 0)       47 MiB  bench/handoff/memory.py --images 100 --hidden 3584 (4 warm-up images)
                                       35 MiB  this test, beside another job's benchmarks
                                       16 MiB  this test, with two busy loops on both cores
-    node keeping every embedding     423 MiB  bench/handoff.py, vLLM's processor cache 4 GiB
+    node keeping every embedding     423 MiB  bench/handoff/memory.py, vLLM's processor cache 4 GiB
                                      393 MiB  this test's second case, with the busy loops
 
 What a correct node grows by beyond its cache is vLLM's own worker-side encoder cache (it keeps
@@ -25,20 +25,17 @@ stays far inside it, while the bound (112 MiB) is under a third of what a cachin
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from bench.handoff.memory import tree_pss_mib
 from encdis.client import GenerateClient
 from encdis.launcher import NodeProcess, start_node
 from encdis.llm_node.demo import synthetic_photo
 from encdis.tiny_checkpoint import make_wide_checkpoint
 from tests.e2e.conftest import encoder_processes
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from handoff import tree_pss_mib  # noqa: E402  (bench/ is not a package)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 

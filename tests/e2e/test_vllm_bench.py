@@ -1,7 +1,7 @@
 """vLLM's own serving benchmark (`vllm bench serve`, random-mm over /v1/chat/completions) against encdis.
 
 The LLM node's HTTP front door must work unchanged with the tools built for `vllm serve`:
-the runner of vLLM's benchmark client (bench/vllm_bench.py) completes every request against a
+the runner of vLLM's benchmark client (bench/serving/vllm_bench.py) completes every request against a
 real LLM node fed by real encoder nodes, and the node keeps serving afterwards.
 """
 
@@ -22,11 +22,11 @@ pytestmark = pytest.mark.vllm
 NUM_PROMPTS = 4
 CONCURRENCY = 2
 OUTPUT_LEN = 8
-RUNNER = Path(__file__).resolve().parents[2] / "bench" / "vllm_bench.py"
+RUNNER = Path(__file__).resolve().parents[2] / "bench" / "serving" / "vllm_bench.py"
 
 
 def load_runner() -> ModuleType:
-    """bench/ is not a package: load the runner from its path."""
+    """Load the runner from its path, as a script runs it (its folder must not shadow vLLM's imports)."""
     spec = importlib.util.spec_from_file_location("vllm_bench", RUNNER)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

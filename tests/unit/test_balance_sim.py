@@ -1,4 +1,4 @@
-"""bench/balance.py --quick: its JSON is what the issue specifies, and encdis clears the issue's bars.
+"""bench/balancer/balance.py --quick: its JSON is what the issue specifies, and encdis clears the issue's bars.
 
 The simulator drives the real policy code (encdis.llm_node.coordinator.assignment / cost_model / patches) and
 vLLM's own balancer, so this is the end-to-end check that the policy beats the baselines. It is a
@@ -28,7 +28,8 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], lis
     done = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "bench" / "balance.py"),
+            "-m",
+            "bench.balancer.balance",
             "--quick",
             "--json",
             str(rows_path),
@@ -38,6 +39,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], lis
         capture_output=True,
         text=True,
         timeout=900,
+        cwd=ROOT,
         check=False,
     )
     assert done.returncode == 0, done.stderr[-4000:]

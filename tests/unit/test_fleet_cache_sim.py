@@ -1,18 +1,13 @@
-"""bench/fleet_cache_sim.py's simulation: with digest affinity, a fleet encodes repeats about once.
+"""bench/fleet/cache_sim.py's simulation: with digest affinity, a fleet encodes repeats about once.
 
 A simulation of 8 coordinators sharing 8 caching encoders driving the real policy code
 (affinity.Affinity, assignment.assign): the real fleet cannot run here. The full table is
-`python bench/fleet_cache_sim.py`.
+`python -m bench.fleet.cache_sim`.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import fleet_cache_sim  # noqa: E402  (bench/ is not a package)
+from bench.fleet import cache_sim as fleet_cache_sim
 
 
 def cell(workload: str, affinity: bool) -> dict:

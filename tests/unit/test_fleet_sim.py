@@ -1,19 +1,14 @@
-"""bench/fleet.py's simulation: shared load reports beat each coordinator's own view at K=8.
+"""bench/fleet/sim.py's simulation: shared load reports beat each coordinator's own view at K=8.
 
 A simulation of encoder timing driving the real policy code (assign, Backlog, CostModel,
-predicted_backlog): the real fleet cannot run here. The full grid is `python bench/fleet.py`.
+predicted_backlog): the real fleet cannot run here. The full grid is `python -m bench.fleet.sim`.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import fleet  # noqa: E402  (bench/ is not a package)
+from bench.fleet import sim as fleet
 
 
 def test_a_batch_on_a_freezing_encoder_waits_out_the_freeze() -> None:

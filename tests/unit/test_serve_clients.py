@@ -1,6 +1,6 @@
-"""bench/serve_clients.py's reading of GuideLLM's and aiperf's results, and bench/serve.py's table of them.
+"""bench/serving/clients.py's reading of GuideLLM's and aiperf's results, and bench/serving/serve.py's table of them.
 
-The samples in tests/data are results of real runs (bench/serve.py --clients vllm,guidellm,aiperf
+The samples in tests/data are results of real runs (bench/serving/serve.py --clients vllm,guidellm,aiperf
 against encdis, c=1, 8 requests; GuideLLM's per-request list dropped for size). The pins of
 scripts/setup_bench_clients.sh must be the versions that wrote them: a new client version needs
 new samples, so a change of its output format shows here rather than as a crash mid-benchmark.
@@ -11,16 +11,14 @@ from __future__ import annotations
 import copy
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.serving import clients as serve_clients
+from bench.serving import report as serve_report
 
-import serve_clients  # noqa: E402  (bench/ is not a package)
-import serve_report  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 DATA = ROOT / "tests" / "data"
 GUIDELLM_SAMPLE = DATA / "guidellm_report_sample.json"
