@@ -8,4 +8,6 @@ bash "$ROOT/scripts/setup_cpu.sh" "$ROOT/.venv"
 bash "$ROOT/scripts/setup_bench_clients.sh" "$ROOT/.venv-bench"
 cd "$ROOT"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
-exec "$ROOT/.venv/bin/python" -m pytest -ra "$@"
+# The summary names the 15 slowest set-ups, calls and teardowns, and counts the vLLM engines the run
+# started (tests/engine_starts.py): the suite's time stays visible in every run.
+exec "$ROOT/.venv/bin/python" -m pytest -ra --durations=15 "$@"

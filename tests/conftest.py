@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+# Counts vLLM engine starts and prints them in the terminal summary.
+pytest_plugins = ["tests.engine_starts"]
+
 # No hub access anywhere, and vLLM's CPU build must not reserve most of the machine's memory
 # (it would refuse to start a second engine beside the first).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
