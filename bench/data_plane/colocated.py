@@ -10,17 +10,8 @@ machine has no GPU), opened once (colocated_link.open_link) and reused, as the c
 does. Modes alternate within each round; a cell is the median MB/s (1e6 bytes/s) after one
 uncounted warm-up round.
 
-Measured here: 2 shared vCPUs, Python 3.11, torch 2.13 (CPU), grpcio 1.85, a test suite
-running beside it (so the absolute numbers move by 2x between runs); `--rounds 9`, 72B:
-
-    image       rows     MB  grpc MB/s  colocated MB/s  ratio   (quieter)
-    448x448      256    4.2        604             591   0.98
-    1080p       2691   44.1        776             922   1.19
-    4K         10549  172.8        814            1266   1.55
-                                                                (suite running)
-    448x448      256    4.2        278             272   0.98
-    1080p       2691   44.1        268             484   1.81
-    4K         10549  172.8        161             330   2.05
+Measured (`--rounds 9`, 72B): co-located/gRPC 0.98x at 4 MB, 1.2-1.8x at 44 MB, 1.5-2x at 173 MB;
+the table is in bench/README.md (Data plane).
 """
 
 from __future__ import annotations

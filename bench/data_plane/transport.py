@@ -26,19 +26,10 @@ Event-loop lag: a probe task on the receiving loop sleeps 1 ms and records how l
 encdis receive path and for bare streams (copied inline), per chunk size; full garbage
 collections during a row are listed (the process's own pauses, not the receive path's).
 
-Measured here: 2 shared vCPUs (AMD EPYC VM, three other users' jobs on the same cores),
-Python 3.11, grpcio 1.85.3; `python -m bench.data_plane.transport --rounds 9` (1 MiB chunks, the
-coordinator's); raw TCP itself moves only 1.3-2.7 GB/s on this machine:
-
-    image     model   rows     MB  tcp MB/s bare MB/s encdis MB/s encdis/tcp bare/tcp encdis/bare
-    448x448   7B       256    1.8      2679       667         548       0.19     0.22        0.85
-    1080p     7B      2691   19.3      2535      1320        1107       0.45     0.52        0.89
-    4K        7B     10549   75.6      1586      1322        1307       0.80     0.80        0.98
-    448x448   72B      256    4.2      1916       996         848       0.40     0.47        0.87
-    1080p     72B     2691   44.1      1407      1315        1089       0.80     0.91        0.94
-    4K        72B    10549  172.8      1742      1353        1161       0.66     0.78        0.90
-
-    (an earlier 9-round run: encdis/bare 0.78-1.03, encdis/tcp 0.19-0.84, bare/tcp 0.22-0.97)
+Measured (`python -m bench.data_plane.transport --rounds 9`, 1 MiB chunks, the coordinator's): the
+table of MB/s is in bench/README.md (Data plane); encdis moves 0.85-0.98x the bare gRPC stream,
+and raw TCP itself moves only 1.3-2.7 GB/s on this machine (an earlier 9-round run: encdis/bare
+0.78-1.03, encdis/tcp 0.19-0.84, bare/tcp 0.22-0.97). Event-loop lag, the same day:
 
     lag, 8 x 4K 72B at once: wall p50/p99/max | loop CPU p50/p99/max, ms; MB/s; loop CPU ms/100MB
     idle                 0.16  0.69    2.3 | 0.09  0.24   0.9

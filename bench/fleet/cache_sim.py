@@ -19,15 +19,8 @@ latency (arrival to embedding at the coordinator) in units of the mean image's f
 
     python -m bench.fleet.cache_sim [--json FILE] [--seeds N]
 
-`python -m bench.fleet.cache_sim` (8 coordinators x 8 encoders, 2000 refs over 300, load 0.7,
-slack 1, means of 5 seeds; p50/p99 in mean-image costs):
-
-    workload affinity fwd/distinct work/distinct      p50      p99
-    A        on              1.062         1.091     0.00     4.89
-    A        off             2.386         2.441     0.00     7.40
-    B        on              1.000         1.000     0.45    12.25
-    B        off             1.000         1.000     0.44    12.05
-    A: p99 on/off 0.660; B: p99 on/off 1.017
+Measured: `python -m bench.fleet.cache_sim` (8 coordinators x 8 encoders, 2000 refs over 300, load
+0.7, slack 1, means of 5 seeds): the table is in bench/README.md (Fleet).
 
 The policy before (a hit priced as waiting out its encoder's backlog, nothing asked): A on
 1.286. Asking from a coordinator's first image rather than once it has seen the pool shared

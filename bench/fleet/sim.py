@@ -28,19 +28,8 @@ the mean image's cost (18 ms; a 4K image alone costs 11 on a full-speed encoder)
 
     python -m bench.fleet.sim [--quick] [--json FILE] [--requests N]
 
-Measured (`python -m bench.fleet.sim --json /tmp/fleet_sim.json`, 6000 requests a cell, seed 7;
-load 0.85; "before": the previous policy code and simulation, same seed):
-
-    cell              shared  +hedge  oracle  sh/or | before: shared  +hedge  sh/or
-    E=4 K=8  5 ms       18.5    18.3    17.4   1.06 |           18.6    19.8   1.07
-    E=8 K=8  5 ms       14.9    15.2    12.6   1.18 |           16.9    15.7   1.33
-    E=8 K=8  0 ms       12.5    13.1    12.6   0.99 |           12.6    12.9   1.00
-    E=8 K=8 50 ms       22.2    19.4    12.6   1.75 |           29.6    28.8   2.34
-    E=4 K=8 50 ms       25.6    28.0    17.4   1.47 |           27.4    25.5   1.57
-    E=8 K=4  5 ms       14.6    15.5    12.6   1.15 |           16.0    15.7   1.27
-    E=8 K=1  5 ms       13.0    13.4    12.6   1.03 |           12.7    13.3   1.00
-    freeze E=4 K=8   88.7 -> 26.9 hedged: 3.30x, 3.4% extra | before 86.1 -> 36.1: 2.38x, 3.8%
-    freeze E=8 K=8   20.7 -> 15.1 hedged: 1.37x, 3.6% extra | before 28.1 -> 16.5: 1.71x, 4.1%
+Measured: `python -m bench.fleet.sim --json /tmp/fleet_sim.json` (6000 requests a cell, seed 7,
+load 0.85, against the previous policy code): the table is in bench/README.md (Fleet).
 
 Why E=8 K=8 missed: the tail was images sent, within the report delay, to the encoder where
 another coordinator had just put a 4K image (~0.3 mean costs of delay, ~1.7 requests arrive

