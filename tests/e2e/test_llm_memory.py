@@ -14,8 +14,10 @@ The margin, from measurement on this 2-core VM (growth of the whole tree, --cach
     correct node (vLLM cache 0)       47 MiB  bench/handoff/memory.py --images 100 --hidden 3584 (4 warm-up images)
                                       35 MiB  this test, beside another job's benchmarks
                                       16 MiB  this test, with two busy loops on both cores
+                                      19 MiB  this test, the text layer's MLP 256 wide
     node keeping every embedding     423 MiB  bench/handoff/memory.py, vLLM's processor cache 4 GiB
                                      393 MiB  this test's second case, with the busy loops
+                                     378 MiB  this test's second case, the MLP 256 wide
 
 What a correct node grows by beyond its cache is vLLM's own worker-side encoder cache (it keeps
 recent embeddings until it needs the room) and allocator slack, 0-31 MiB above. MARGIN_MIB is
@@ -40,6 +42,9 @@ from tests.e2e.conftest import encoder_processes
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
 HIDDEN = 3584
+# The text layer's MLP width sets each request's prefill compute, not its embedding's bytes; the
+# default (2 x HIDDEN) spent most of the test prefilling. 256 keeps the same bytes per image.
+INTERMEDIATE = 256
 CACHE_BYTES = 16 * 2**20
 WARMUP = 8
 IMAGES = 100
@@ -51,7 +56,7 @@ BOUND_MIB = CACHE_BYTES / 2**20 + VLLM_CACHE_MIB + MARGIN_MIB
 @pytest.fixture(scope="module")
 def wide_encoder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, NodeProcess]]:
     """The wide checkpoint and one real encoder node serving it."""
-    ckpt = make_wide_checkpoint(tmp_path_factory.mktemp("wide") / f"wide-{HIDDEN}", HIDDEN)
+    ckpt = make_wide_checkpoint(tmp_path_factory.mktemp("wide") / f"wide-{HIDDEN}", HIDDEN, intermediate=INTERMEDIATE)
     with encoder_processes(ckpt, count=1) as (encoder,):
         yield ckpt, encoder
 
