@@ -44,6 +44,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+# bench.* from the tree; appended, so an encdis assembled on PYTHONPATH (gpu_check.sh) comes first:
+# ROOT's own ./encdis lacks its subpackages.
+sys.path.append(str(ROOT))
 
 # Qwen2.5-VL-7B-Instruct's vision_config (its config.json on the hub), weights random.
 QWEN25_VL_7B_VISION = dict(
@@ -117,7 +120,7 @@ def in_process_tower(model: Path, device: str, dtype: str, workers: int):
     """encoder_overhead's InProcess (node's preprocessing + tower), with the node's preprocessing threads."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from encoder_overhead import InProcess
+    from bench.overhead.encoder_node import InProcess
 
     ip = InProcess(model, device, dtype)
     # The node under test runs with --preprocess-workers too: both paths get the same threads.
@@ -202,8 +205,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def build_checkpoint(args: argparse.Namespace, tmp: Path) -> tuple[Path, str]:
     if args.model is not None:
         return args.model, str(args.model)
-    from transport import MAX_PIXELS  # the released checkpoints' processor bound: 4K stays 4K
-
+    from bench.data_plane.transport import MAX_PIXELS  # the released checkpoints' processor bound: 4K stays 4K
     from encdis.tiny_checkpoint import make_tiny_checkpoint
 
     vision = dict(QWEN25_VL_7B_VISION, depth=args.depth)
@@ -225,8 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     # preprocessing threads as the in-process path, and a queue that never refuses the callers.
     os.environ["ENCDIS_PREPROCESS_WORKERS"] = str(args.preprocess_workers)
     os.environ["ENCDIS_MAX_QUEUED_PATCHES"] = str(1 << 24)
-    from encoder_overhead import make_images, requests_of, run_grpc, start_encoder
-
+    from bench.overhead.encoder_node import make_images, requests_of, run_grpc, start_encoder
     from encdis.checkpoint import read_vision_config
 
     width, height = (int(v) for v in (args.size.lower().split("x") * 2)[:2])
