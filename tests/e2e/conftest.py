@@ -135,14 +135,21 @@ def monolithic(request: pytest.FixtureRequest, tiny_ckpt: Path, equality_cases: 
 
 @contextlib.contextmanager
 def encoder_processes(model: Path, *flags: str, count: int = 2) -> Iterator[list[NodeProcess]]:
-    """`count` real encoder nodes on `model` with extra `flags` (loopback, ephemeral ports)."""
+    """`count` real encoder nodes on `model` with extra `flags` (loopback, ephemeral ports).
+
+    Started side by side and stopped side by side: each node's start (imports, weights) and drain
+    overlaps the others', where one after another they added up in every module's set-up."""
     nodes: list[NodeProcess] = []
     try:
         for _ in range(count):
-            nodes.append(start_node(["encoder", "--model", str(model), "--host", "127.0.0.1", "--port", "0",
-                                     "--metrics-port", "0", *flags], timeout=300))
+            nodes.append(NodeProcess(["encoder", "--model", str(model), "--host", "127.0.0.1", "--port", "0",
+                                      "--metrics-port", "0", *flags]))
+        for n in nodes:
+            n.wait_ready(300)
         yield nodes
     finally:
+        for n in nodes:
+            n.terminate()  # all drain at once; stop() then waits for each
         for n in nodes:
             n.stop()
 
