@@ -20,7 +20,7 @@ from encdis.client.generate_client import generate_request
 from encdis.client.pb import llm_pb2_grpc
 from encdis.launcher import NodeProcess, start_node
 from encdis.llm_node.demo import synthetic_photo
-from tests.e2e.conftest import encoders_by_address, wait_until
+from tests.e2e.conftest import encoder_processes, encoders_by_address, wait_until
 from tests.otlp_receiver import OtlpReceiver
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
@@ -29,22 +29,18 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 @pytest.fixture(scope="module")
 def traced(tiny_ckpt: Path) -> Iterator[tuple[OtlpReceiver, NodeProcess, list[NodeProcess]]]:
     rx = OtlpReceiver()
-    started: list[NodeProcess] = []
     try:
         flags = ["--otlp-traces-endpoint", rx.address]
-        for _ in range(2):
-            started.append(start_node(["encoder", "--model", str(tiny_ckpt), "--host", "127.0.0.1", "--port", "0",
-                                       *flags], timeout=300))
-        encoders = list(started)
-        llm = start_node(["llm", "--model", str(tiny_ckpt), "--host", "127.0.0.1", "--port", "0", *flags,
-                          "--encoders", ",".join(n.address for n in encoders)], timeout=900)
-        started.append(llm)
-        wait_until(lambda: {e.state for e in encoders_by_address(llm).values()} == {"serving"}, 60,
-                   "both encoders serving")
-        yield rx, llm, encoders
+        with encoder_processes(tiny_ckpt, *flags) as encoders:
+            llm = start_node(["llm", "--model", str(tiny_ckpt), "--host", "127.0.0.1", "--port", "0", *flags,
+                              "--encoders", ",".join(n.address for n in encoders)], timeout=900)
+            try:
+                wait_until(lambda: {e.state for e in encoders_by_address(llm).values()} == {"serving"}, 60,
+                           "both encoders serving")
+                yield rx, llm, encoders
+            finally:
+                llm.stop()
     finally:
-        for n in reversed(started):
-            n.stop()
         rx.close()
 
 
