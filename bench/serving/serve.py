@@ -31,8 +31,8 @@ image preprocessing inside its other; and the servers' CPU time per request by r
 /proc around the measured requests only), with how busy each role kept its cores.
 
     python -m bench.serving.serve [--model DIR] [--cpus 0] [--extra-cpus 1] [--concurrency 1,8]
-                          [--num-prompts 16] [--input-len 64] [--output-len 16] [--image-size 224]
-                          [--repeats 1] [--clients vllm] [--json out.json]
+                                  [--num-prompts 16] [--input-len 64] [--output-len 16] [--image-size 224]
+                                  [--repeats 1] [--clients vllm] [--json out.json]
 
 Two more standard clients can drive every system beside it: `bash scripts/setup_bench_clients.sh`,
 then `python -m bench.serving.serve --clients vllm,guidellm,aiperf`. GuideLLM and aiperf
@@ -41,89 +41,15 @@ seed, with the same workload as far as they allow: GuideLLM sends no text, only 
 synthetic image data has no prompt), and each client draws its own random images and text. One
 more table gives every client's req/s, mean/p99 TTFT, mean TPOT (GuideLLM's and aiperf's
 inter-token latency, the same quantity) and counts, each with its ratio to vllm as measured by
-the same client. A short run on the shared 2-core machine (S = core 0, E = core 1, client on 1):
+the same client.
 
-`python -m bench.serving.serve --clients vllm,guidellm,aiperf --concurrency 1 --num-prompts 8`
-
-    c  client    system            req/s  mean TTFT ms   p99 TTFT ms  mean TPOT ms  done  failed
-    1  vllm      vllm              13.41          25.0          32.0           3.3     8       0
-    1  vllm      encdis    11.29 (0.84x)  42.8 (1.71x)  48.6 (1.52x)   3.0 (0.92x)     8       0
-    1  vllm      encdis+1  12.99 (0.97x)  31.9 (1.28x)  44.5 (1.39x)   3.0 (0.91x)     8       0
-    1  guidellm  vllm              11.62          27.2          37.1           3.1     8       0
-    1  guidellm  encdis    10.25 (0.88x)  47.6 (1.75x)  55.2 (1.49x)   2.7 (0.87x)     8       0
-    1  guidellm  encdis+1  10.13 (0.87x)  50.0 (1.84x)  61.0 (1.64x)   2.7 (0.87x)     8       0
-    1  aiperf    vllm              12.05          26.8          34.0           3.3     8       0
-    1  aiperf    encdis    10.27 (0.85x)  46.7 (1.74x)  52.4 (1.54x)   2.9 (0.88x)     8       0
-    1  aiperf    encdis+1  10.35 (0.86x)  45.5 (1.70x)  54.3 (1.60x)   2.9 (0.90x)     8       0
-
-The three agree on (b): 0.84-0.88x the req/s, 1.7x the TTFT (the same command again:
-0.75-0.79x, 1.75-2.03x). On (c) vLLM's client gave 0.97x and 0.89x the req/s, the others
-0.81-0.87x: with two cores the client shares E with (c)'s encoders, so a client that takes
-more of E slows (c)'s encodes; the clients' own CPU time is not measured here, and 8 requests
-in one round are within this machine's noise.
-
-Measured on a 2-core VM shared with other jobs (so runs of one system differ by up to 1.5x
-at c=8; trust medians and the CPU table more than one run), tiny checkpoint, S = core 0,
-E = core 1, client on core 1, 64 text tokens + one 224x224 image (64 tokens), 16 out:
-
-`python -m bench.serving.serve --model /tmp/vb/tiny --num-prompts 32 --repeats 3` (medians of 3)
-
-    c  system            req/s   mean TTFT ms  median TTFT ms    p99 TTFT ms  mean TPOT ms
-    1  vllm               4.81           52.2            52.3           73.3          10.3
-    1  encdis     4.90 (1.02x)   70.3 (1.35x)    69.8 (1.33x)   86.0 (1.17x)   8.9 (0.86x)
-    1  encdis+1   5.58 (1.16x)   50.7 (0.97x)    46.8 (0.89x)   71.6 (0.98x)   8.5 (0.82x)
-    8  vllm              13.61          332.9           336.0          476.3          16.8
-    8  encdis    12.84 (0.94x)  359.6 (1.08x)   378.3 (1.13x)  435.0 (0.91x)  18.9 (1.13x)
-    8  encdis+1  17.55 (1.29x)  194.9 (0.59x)   171.3 (0.51x)  358.8 (0.75x)  16.1 (0.96x)
-    goals: c=1 (b) req/s 1.02x PASS, TTFT 1.35x MISS, +18.2 ms MISS, (c) req/s 1.16x MISS;
-           c=8 (b) req/s 0.94x PASS, TTFT 1.08x PASS, (c) req/s 1.29x PASS
-
-    LLM node, mean ms per request (front = client TTFT - node TTFT):
-    c  system    queue  encode  transfer  prefill  decode  other  total  node_ttft  front
-    1  encdis      7.0    29.2       0.9     23.7   134.0    4.9  199.4       65.4    4.9
-    1  encdis+1    4.3    12.9       0.5     23.2   127.7    4.1  173.9       45.2    5.0
-    8  encdis     47.6    73.7       5.5    132.1   284.7   46.2  592.3      330.7   28.9
-    8  encdis+1   32.3    29.4       2.0     80.9   242.5   20.2  419.7      177.2   17.7
-
-    server CPU ms per request (busy = share of its cores):
-    1  vllm      vllm 195.3 (92% busy)
-    1  encdis    llm 172.2 (84% busy), encoders 20.9 (10% busy)  193.1 (0.99x)
-    8  vllm      vllm 69.4 (90% busy)
-    8  encdis    llm 49.7 (66% busy), encoders 21.6 (26% busy)    71.3 (1.03x)
-
-With preprocessing reported apart from queueing (the same machine on another day, so the
-absolute times differ; `python -m bench.serving.serve --concurrency 1,8 --num-prompts 16 --repeats 2`):
-
-    c  system            req/s   mean TTFT ms  median TTFT ms    p99 TTFT ms  mean TPOT ms
-    1  vllm              17.01           20.5            20.2           26.7           2.6
-    1  encdis    15.39 (0.90x)   31.9 (1.56x)    31.6 (1.56x)   40.2 (1.51x)   2.2 (0.85x)
-    1  encdis+1  15.56 (0.91x)   25.7 (1.26x)    24.5 (1.21x)   38.2 (1.43x)   2.6 (0.99x)
-    8  vllm              40.31          119.4           125.4          140.9           5.4
-    8  encdis    32.72 (0.81x)  147.1 (1.23x)   144.1 (1.15x)  202.7 (1.44x)   6.3 (1.17x)
-    8  encdis+1  44.65 (1.11x)   85.7 (0.72x)    75.8 (0.60x)  130.2 (0.92x)   5.8 (1.09x)
-
-    c  system    queue  preprocess  encode  transfer  prefill  decode  other  total  node_ttft  front
-    1  encdis      0.0         4.1    12.0       0.4      9.0    33.3    4.0   62.8       29.5    2.4
-    1  encdis+1    0.0         2.1     6.3       0.3     10.1    38.8    4.0   61.6       22.9    2.9
-    8  encdis     11.2        14.3    32.2       0.5     53.7    93.8   23.4  229.1      135.2   11.9
-    8  encdis+1    7.3        10.7    16.3       0.3     28.7    87.4   15.2  166.0       78.5    7.2
-
-At c=1 an image waits for nothing (queue 0.0): what the earlier tables call queue there was the
-encoder decoding and preprocessing the image. Beyond preprocess, encode and prefill, a request
-at c=1 spends transfer + other + front = 6.8 ms (encdis) and 7.2 ms (encdis+1).
-
-With monolithic vLLM's own split beside them (its histograms; a busier day on the same machine,
-so every time is longer: `python -m bench.serving.serve --concurrency 1,8 --num-prompts 16 --repeats 2`;
-mean TTFT against vllm's 27.9 ms at c=1: encdis 1.98x, encdis+1 1.24x; c=8: 1.06x and 0.60x;
-req/s at c=1 0.65x and 0.95x, at c=8 0.79x and 1.25x):
-
-    c  system    queue  preprocess  encode  transfer  prefill  decode  other  total  node_ttft  front
-    1  vllm        0.0           -       -         -     14.6    74.6    9.4   98.6       24.3    3.6
-    1  encdis      0.1         6.8    20.7       0.3     16.2   105.8    6.7  156.6       50.8    4.5
-    1  encdis+1    0.1         3.0     8.4       0.2     14.1    74.2    4.9  104.8       30.6    4.1
-    8  vllm        0.0           -       -         -     69.4   131.2   93.0  293.6      163.9   12.7
-    8  encdis     10.9        23.4    37.2       0.1     66.9   167.6   31.8  337.9      170.3   17.4
-    8  encdis+1    8.6        10.9    19.5       0.1     33.5    99.9   23.5  196.0       96.1    9.9
+Measured: the tables of every kind of run (the three clients side by side; medians of 3 with
+the goals, the node's split and CPU per request; the split with preprocessing apart; monolithic
+vLLM's own split beside encdis's) are in bench/README.md (Serving). What they showed: the three
+clients agree on (b), 0.84-0.88x the req/s and 1.7x the TTFT in one short run; on (c) the
+clients differ more, as the client shares E with (c)'s encoders on two cores. At c=1 an image
+waits for nothing (queue 0.0): what the oldest table calls queue there was the encoder decoding
+and preprocessing the image.
 
 `vllm serve` spends other + front = 13.0 ms of a c=1 request outside its queue and prefill (its
 tower's forward is in prefill); its other holds its image preprocessing (the encoder's preprocess:
