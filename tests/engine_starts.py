@@ -26,6 +26,7 @@ ENGINE_TITLE = "VLLM::EngineCore"
 ROLES = (
     ("encdis.cli llm", "LLM node"),
     ("encdis.llm_node.reference", "monolithic reference"),
+    ("vllm.entrypoints.openai.api_server", "vllm serve"),
     ("vllm serve", "vllm serve"),
 )
 
