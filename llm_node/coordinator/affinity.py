@@ -49,11 +49,11 @@ idlest). The backlogs are the seen ones (EncoderLoad.seen_backlog_seconds: the e
 and our own work since), not the estimates the cost policy adds for balancing (lateness, other
 coordinators' work no report shows yet): those differ from one LLM node to the next, and a spill
 decided on them sends one digest to different encoders from different nodes, a forward each
-(bench/fleet_live.py part 2: the estimates alone spread the encoders' backlogs by more than an
+(bench/fleet/live.py part 2: the estimates alone spread the encoders' backlogs by more than an
 image's forward on a pool that was nearly idle). The best encoder always qualifies, so an image
 waits at most `slack` forwards for its encoder; a spill is cheaper than waiting any longer.
 `Affinity` caps that forward at the moving mean image's cost: a 4K image pinned behind up to its
-own cost would double its latency (the tail of all-distinct traffic: bench/fleet_cache_sim.py,
+own cost would double its latency (the tail of all-distinct traffic: bench/fleet/cache_sim.py,
 p99 1.13x the cost policy's uncapped, 1.00x capped), while waiting one mean image is what any
 image waits in a balanced pool.
 """

@@ -1,6 +1,6 @@
 """Assignment policy: which encoder encodes which image of a request.
 
-Role: the coordinator (and bench/balance.py, which drives this very code) calls `assign` once per
+Role: the coordinator (and bench/balancer/balance.py, which drives this very code) calls `assign` once per
 request with each live encoder's load; `Backlog` tracks the outstanding work per encoder that
 those loads are read from.
 
@@ -38,7 +38,7 @@ encoder's patch sum, so this policy is identical to vLLM's; tests/unit/test_assi
 that against vLLM's own function on thousands of random requests. With the real, non-linear cost
 it is deliberately NOT identical: a 4K image costs ~1.7x what the same number of patches in small
 images costs (the N^2 term), and balancing patch sums then leaves the encoder holding the 4K image
-last to finish; balancing predicted seconds is what the cost model is for (bench/balance.py:
+last to finish; balancing predicted seconds is what the cost model is for (bench/balancer/balance.py:
 one-shot makespan 1.00-1.02x the lower bound on heavy-tailed batches where vLLM's is 1.03-1.10x).
 Both are greedy heuristics, so per request ours can lose a little (tests: never by more than 5%
 in predicted makespan, and it wins more than 3x as often as it loses).

@@ -10,7 +10,7 @@ calls take the pair once it is up, so no request ever waits for a rendezvous. `-
 
   off      never;
   auto     when the loopback is shared, the pair would be NCCL (both sides on CUDA) and the
-           rendezvous succeeds. On CPU the pair is gloo over loopback TCP: bench/colocated.py
+           rendezvous succeeds. On CPU the pair is gloo over loopback TCP: bench/data_plane/colocated.py
            measured it at 1.2-2x gRPC's MB/s for 1080p and 4K 72B embeddings, the same for
            small ones, with much noise on a shared 2-core machine. auto still leaves CPU
            pairs on gRPC, so the CPU fault tests (encoders killed, frozen, drained) keep the

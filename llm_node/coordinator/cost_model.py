@@ -5,7 +5,7 @@ Role: the coordinator keeps one CostModel per encoder. It predicts an image's en
 coefficients from the batch timings an encoder reports with its results. A batch costs the sum
 over its images, so a batch of patch counts N_i costs ``c0*k + c1*sum(N_i) + c2*sum(N_i**2)``.
 
-API (stable; the coordinator and bench/balance.py use it):
+API (stable; the coordinator and bench/balancer/balance.py use it):
     CostModel.prior(device_flops=..., ...) -> CostModel     DESIGN.md's prior
     CostModel(c0, c1, c2, settings=FitSettings())            any prior
     model.predict(patches: int) -> float                     seconds for one image

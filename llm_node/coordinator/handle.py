@@ -24,7 +24,7 @@ from .penalty import FaultRecord, Penalty
 
 # Reconnect quickly after an encoder restarts: gRPC's default backoff grows to 120 s.
 # One channel (one HTTP/2 connection) per encoder carries all its Encode streams, with gRPC's
-# default window options: in bench/transport.py two or four connections, several streams per
+# default window options: in bench/data_plane/transport.py two or four connections, several streams per
 # embedding, and window/read-size options moved nothing beyond the noise on loopback.
 POOL_CHANNEL_OPTIONS = [
     *CHANNEL_OPTIONS,
